@@ -1,0 +1,198 @@
+"""One run of every figure for one broker.
+
+Order within a run (one broker at a time, so brokers never compete for the 2 cores):
+  1. purge, publish N with ``task.delay()`` (timed)       -> publish_single
+  2. threads worker: drain those N (timed from ready)     -> drain_threads
+  3. same worker, now idle: sequential latency samples    -> latency_p50/p95
+  4. same worker, still idle (Postgres brokers only)      -> idle_* figures
+  5. purge, publish N with the batch path (timed), purge  -> publish_batch
+  6. purge, publish N with ``task.delay()`` (untimed), prefork worker drains them
+                                                          -> drain_prefork
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench.brokers import Broker
+from bench.client import RESULT_PREFIX
+from bench.pgidle import measure_idle
+from bench.worker import Worker
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+class PhaseFailed(Exception):
+    """One phase of one run failed; the run's other figures are kept."""
+
+
+@dataclass
+class Config:
+    n: int = 2000
+    latency_samples: int = 50
+    idle_window: float = 30.0
+    drain_timeout: float = 90.0
+    ready_timeout: float = 60.0
+    client_timeout: float = 300.0
+    batch_helpers: dict[str, str] = field(default_factory=dict)
+    threads_concurrency: int = 8
+    prefork_concurrency: int = 2
+
+
+def _percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (no interpolation between two samples)."""
+    ordered = sorted(values)
+    rank = max(1, min(len(ordered), round(q / 100.0 * len(ordered) + 0.5)))
+    return ordered[rank - 1]
+
+
+class BrokerRun:
+    def __init__(
+        self, broker: Broker, cfg: Config, state_dir: Path, log: Callable[[str], None]
+    ) -> None:
+        self.broker = broker
+        self.cfg = cfg
+        self.state_dir = state_dir
+        self.log = log
+        self.app_name = f"bench-worker-{os.getpid()}"
+        self.env = {
+            **os.environ,
+            "BENCH_BROKER_URL": broker.url,
+            "BENCH_TRANSPORT_OPTIONS": json.dumps(broker.transport_options),
+            "BENCH_STATE_DIR": str(state_dir),
+            "PGAPPNAME": f"bench-client-{os.getpid()}",
+            "PYTHONPATH": os.pathsep.join(
+                p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p
+            ),
+        }
+        self.figures: dict[str, float] = {}
+        self.info: dict[str, Any] = {}
+        self.errors: list[str] = []
+
+    # -- subprocess plumbing ------------------------------------------------------------
+    def client(self, *args: str, timeout: float | None = None) -> dict[str, Any]:
+        argv = [sys.executable, "-m", "bench.client", *args]
+        try:
+            proc = subprocess.run(
+                argv,
+                cwd=REPO_ROOT,
+                env=self.env,
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                text=True,
+                timeout=timeout or self.cfg.client_timeout,
+            )
+        except subprocess.TimeoutExpired as exc:
+            msg = f"`bench.client {args[0]}` timed out after {exc.timeout:.0f}s"
+            raise PhaseFailed(msg) from exc
+        for line in reversed(proc.stdout.splitlines()):
+            if line.startswith(RESULT_PREFIX):
+                return dict(json.loads(line[len(RESULT_PREFIX) :]))
+        tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise PhaseFailed(f"`bench.client {args[0]}` exited {proc.returncode}: {tail}")
+
+    def worker(self, pool: str) -> Worker:
+        conc = self.cfg.threads_concurrency if pool == "threads" else self.cfg.prefork_concurrency
+        return Worker(
+            pool=pool,
+            concurrency=conc,
+            env=self.env,
+            state_dir=self.state_dir,
+            cwd=REPO_ROOT,
+            app_name=self.app_name,
+        )
+
+    # -- phases -------------------------------------------------------------------------
+    def publish(self, mode: str, figure: str | None) -> None:
+        args = ["publish", "--mode", mode, "--n", str(self.cfg.n)]
+        helper = self.cfg.batch_helpers.get(self.broker.name)
+        if mode == "batch" and helper:
+            args += ["--batch-helper", helper]
+        res = self.client(*args)
+        if figure:
+            self.figures[figure] = res["n"] / res["seconds"]
+            if mode == "batch":
+                self.info["batch_path"] = res["path"]
+
+    def drain(self, worker: Worker, figure: str) -> None:
+        n = self.cfg.n
+        t_ready = worker.wait_ready(self.cfg.ready_timeout)
+        early = worker.count()
+        done, t_done = worker.wait_count(n, self.cfg.drain_timeout)
+        elapsed = max(t_done - t_ready, 1e-9)
+        self.info[f"{figure}_seconds"] = round(elapsed, 3)
+        if early:
+            self.info[f"{figure}_done_before_ready"] = early
+        if done < n:
+            # The partial rate is still a rate; the report marks it and the run fails.
+            self.figures[figure] = done / elapsed
+            self.info[f"{figure}_partial"] = f"{done}/{n}"
+            raise PhaseFailed(
+                f"{figure}: only {done}/{n} tasks ran within {self.cfg.drain_timeout:.0f}s"
+            )
+        self.figures[figure] = n / elapsed
+
+    def latency(self) -> None:
+        budget = max(60.0, self.cfg.latency_samples * 3.0)
+        res = self.client(
+            "latency",
+            "--samples", str(self.cfg.latency_samples),
+            "--budget", str(budget),
+            timeout=budget + 60,
+        )  # fmt: skip
+        delays = [d * 1000.0 for d in res["delays"]]
+        if len(delays) < self.cfg.latency_samples:
+            raise PhaseFailed(
+                f"latency: {len(delays)}/{self.cfg.latency_samples} samples "
+                f"({res['timeouts']} timed out)"
+            )
+        self.figures["latency_p50_ms"] = statistics.median(delays)
+        self.figures["latency_p95_ms"] = _percentile(delays, 95)
+
+    def idle(self) -> None:
+        assert self.broker.pg_database
+        time.sleep(2.0)  # let the last latency task's statements and stats settle
+        res = measure_idle(self.broker.pg_database, self.app_name, self.cfg.idle_window)
+        self.figures["idle_statements_per_min"] = res["statements_per_min"]
+        self.figures["idle_xacts_per_min"] = res["xacts_per_min"]
+        self.figures["idle_connections"] = res["connections"]
+        self.info["idle_method"] = res["method"]
+
+    def purge(self) -> None:
+        """Leave nothing behind (e.g. after a drain that timed out)."""
+        self.client("purge")
+
+    def _phase(self, name: str, fn: Callable[[], None]) -> bool:
+        """Run one phase; a failure is recorded and the run goes on with the next phase."""
+        t0 = time.monotonic()
+        try:
+            fn()
+        except Exception as exc:  # a broker failing must not stop the others
+            msg = f"{name}: {exc}".strip()
+            self.errors.append(msg)
+            self.log(f"    ! {msg.splitlines()[0]}")
+            return False
+        self.log(f"    {name} done in {time.monotonic() - t0:.1f}s")
+        return True
+
+    def run(self) -> dict[str, Any]:
+        if self._phase("publish single", lambda: self.publish("single", "publish_single")):
+            with self.worker("threads") as worker:
+                ok = self._phase("drain threads", lambda: self.drain(worker, "drain_threads"))
+                if ok and self._phase("latency", self.latency) and self.broker.pg_database:
+                    self._phase("idle cost", self.idle)
+        self._phase("publish batch", lambda: self.publish("batch", "publish_batch"))
+        if self._phase("prepublish", lambda: self.publish("single", None)):
+            with self.worker("prefork") as worker:
+                self._phase("drain prefork", lambda: self.drain(worker, "drain_prefork"))
+        self._phase("purge", self.purge)
+        return {"figures": self.figures, "info": self.info, "errors": self.errors}

@@ -1,0 +1,272 @@
+"""Process-wide state shared by every kombu connection to one database and schema.
+
+A Celery worker opens several kombu connections (consumer, producer pool, events). They all share
+one :class:`Backend`, so a worker process holds a small, fixed number of Postgres connections
+whatever the number of queues or kombu connections:
+
+* one claim connection per consuming kombu connection (also the LISTEN session),
+* one publish connection, shared under a lock,
+* one keeper connection, used by the lease keeper thread.
+
+The backend also owns what must outlive a single kombu connection: the buffer of fenced acks
+(an ack stays valid across a consumer reconnect because it is fenced on ``(id, claim)``, not on a
+connection) and the registry of held leases that the keeper renews.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+
+from .core import NewJob, Pair, QueueCore
+from .database import connect
+from .events import EVENTS
+from .options import TransportOptions
+from .schema import latest_version, migrate
+from .schema import current_version as schema_version
+
+__all__ = ["Backend", "backend_for"]
+
+log = logging.getLogger("kombu_pgjobs")
+
+_backends: dict[tuple[str, TransportOptions], Backend] = {}
+_backends_lock = threading.Lock()
+
+
+def _log_event(name: str, level: int = logging.WARNING, **fields: Any) -> None:
+    code, meaning = EVENTS[name]
+    log.log(level, "%s [%s] %s %s", name, code, meaning,
+            " ".join(f"{k}={v}" for k, v in fields.items()),
+            extra={"action": name, "code": code, **fields})
+
+
+def backend_for(conninfo: str, options: TransportOptions) -> Backend:
+    """The backend of this process for (conninfo, options); created on first use."""
+    key = (conninfo, options)
+    with _backends_lock:
+        b = _backends.get(key)
+        if b is None or b.pid != os.getpid():
+            b = Backend(conninfo, options)
+            _backends[key] = b
+        return b
+
+
+def _forget_after_fork() -> None:
+    # A forked child (prefork pool) must not use its parent's sockets or threads.
+    _backends.clear()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
+
+
+class Backend:
+    def __init__(self, conninfo: str, options: TransportOptions) -> None:
+        self.pid = os.getpid()
+        self.conninfo = conninfo
+        self.options = options
+        self.core = QueueCore(options.schema, lease_ttl=options.lease_ttl,
+                              max_attempts=options.max_attempts)
+        self.worker = f"{socket.gethostname()}:{self.pid}"
+        self._migrated = False
+        self._migrate_lock = threading.Lock()
+        self._publish_conn: psycopg.Connection[Any] | None = None
+        self._publish_lock = threading.Lock()
+        # fenced acks waiting to be flushed: (id, claim, monotonic time buffered)
+        self._acks: list[tuple[int, int, float]] = []
+        self._acks_lock = threading.Lock()
+        self._ack_listeners: list[Callable[[], None]] = []
+        # leases this process holds: id -> claim
+        self.held: dict[int, int] = {}
+        self._held_lock = threading.Lock()
+        self.consumed: dict[str, int] = {}
+        self._keeper: Keeper | None = None
+        self._keeper_lock = threading.Lock()
+
+    # -- connections ---------------------------------------------------------------------
+    def connect(self) -> psycopg.Connection[Any]:
+        conn = connect(self.conninfo)
+        self.ensure_schema(conn)
+        return conn
+
+    def ensure_schema(self, conn: psycopg.Connection[Any]) -> None:
+        """Migrate on first connect of this process unless auto_migrate is off."""
+        if self._migrated:
+            return
+        with self._migrate_lock:
+            if self._migrated:
+                return
+            if schema_version(conn, self.options.schema) < latest_version():
+                if not self.options.auto_migrate:
+                    from .errors import MigrationError
+                    raise MigrationError(
+                        f"schema {self.options.schema!r} is not installed or is out of date, "
+                        "and auto_migrate is off: run `pgjobs migrate`")
+                migrate(conn, self.options.schema)
+            self._migrated = True
+
+    def publishing(self, fn: Callable[[psycopg.Connection[Any]], Any]) -> Any:
+        """Run ``fn`` on the shared publish connection (autocommit: durable on return)."""
+        with self._publish_lock:
+            conn = self._publish_conn
+            if conn is None or conn.closed:
+                conn = self._publish_conn = self.connect()
+            try:
+                return fn(conn)
+            except psycopg.OperationalError:
+                conn.close()
+                self._publish_conn = None
+                raise
+
+    def publish(self, job: NewJob) -> None:
+        self.publishing(lambda conn: self.core.publish(conn, job))
+
+    # -- acks ----------------------------------------------------------------------------
+    def buffer_ack(self, job_id: int, claim: int) -> None:
+        """Thread-safe and non-blocking: called from pool threads."""
+        with self._acks_lock:
+            first = not self._acks
+            self._acks.append((job_id, claim, time.monotonic()))
+        if first:
+            for wake in self._ack_listeners:
+                wake()
+
+    def add_ack_listener(self, wake: Callable[[], None]) -> None:
+        self._ack_listeners.append(wake)
+
+    def remove_ack_listener(self, wake: Callable[[], None]) -> None:
+        try:
+            self._ack_listeners.remove(wake)
+        except ValueError:
+            pass
+
+    def oldest_ack_age(self) -> float | None:
+        with self._acks_lock:
+            return time.monotonic() - self._acks[0][2] if self._acks else None
+
+    def take_acks(self) -> list[Pair]:
+        with self._acks_lock:
+            acks, self._acks = self._acks, []
+        return [(a[0], a[1]) for a in acks]
+
+    def settled(self, sent: list[Pair], hit: set[int], action: str) -> None:
+        """Forget settled leases; log fenced misses (never raise at Celery)."""
+        with self._held_lock:
+            for job_id, claim in sent:
+                if self.held.get(job_id) == claim:
+                    del self.held[job_id]
+        for job_id, claim in sent:
+            if job_id not in hit:
+                _log_event("pgjobs.settle.unowned", job_id=job_id, fence=claim, settle=action)
+
+    def flush_acks(self, conn: psycopg.Connection[Any]) -> int:
+        acks = self.take_acks()
+        if acks:
+            try:
+                hit = self.core.ack(conn, acks)
+            except BaseException:
+                self.restore_acks(acks)
+                raise
+            self.settled(acks, hit, "ack")
+        return len(acks)
+
+    def restore_acks(self, acks: list[Pair]) -> None:
+        """Put acks back after a failed flush, so the next flush retries them."""
+        now = time.monotonic()
+        with self._acks_lock:
+            self._acks[:0] = [(i, c, now) for i, c in acks]
+
+    # -- leases --------------------------------------------------------------------------
+    def hold(self, pairs: list[Pair]) -> None:
+        with self._held_lock:
+            for job_id, claim in pairs:
+                self.held[job_id] = claim
+        self.keeper()
+
+    def held_pairs(self) -> list[Pair]:
+        with self._held_lock:
+            return list(self.held.items())
+
+    def consume(self, queues: list[str], delta: int) -> None:
+        with self._held_lock:
+            for q in queues:
+                n = self.consumed.get(q, 0) + delta
+                if n > 0:
+                    self.consumed[q] = n
+                else:
+                    self.consumed.pop(q, None)
+        if delta > 0:
+            self.keeper()
+
+    def keeper(self) -> Keeper:
+        with self._keeper_lock:
+            if self._keeper is None or not self._keeper.is_alive():
+                self._keeper = Keeper(self)
+                self._keeper.start()
+            return self._keeper
+
+
+class Keeper(threading.Thread):
+    """Renews this process's leases, rescues lapsed ones fleet-wide, expires messages/queues.
+
+    It runs in the process that holds the leases, on its own connection, so a CPU-bound task in
+    a prefork child cannot starve renewal, and a busy consumer thread cannot either. One tick
+    every lease_ttl/3: an idle worker sends 3-4 statements per tick window at most.
+    """
+
+    def __init__(self, backend: Backend) -> None:
+        super().__init__(name="pgjobs-keeper", daemon=True)
+        self.backend = backend
+        self.stop_event = threading.Event()
+        self._conn: psycopg.Connection[Any] | None = None
+
+    def run(self) -> None:
+        b = self.backend
+        interval = b.options.tick_interval
+        while not self.stop_event.wait(interval):
+            try:
+                self.tick()
+            except psycopg.Error as exc:
+                log.warning("pgjobs.keeper.error %s", exc, extra={"action": "keeper"})
+                if self._conn is not None:
+                    self._conn.close()
+                    self._conn = None
+            except Exception:  # pragma: no cover - never let the keeper die silently
+                log.exception("pgjobs.keeper.crash")
+
+    def tick(self) -> None:
+        b = self.backend
+        if self._conn is None or self._conn.closed:
+            self._conn = b.connect()
+        conn = self._conn
+        core = b.core
+        # Acks nobody flushed (e.g. a kombu user that acked and stopped draining).
+        age = b.oldest_ack_age()
+        if age is not None and age > b.options.ack_flush_interval:
+            b.flush_acks(conn)
+        held = b.held_pairs()
+        if held:
+            alive = core.renew(conn, held)
+            lost = [(i, c) for i, c in held if i not in alive]
+            if lost:
+                with b._held_lock:
+                    for i, c in lost:
+                        if b.held.get(i) == c:
+                            del b.held[i]
+                for i, c in lost:
+                    _log_event("pgjobs.lease.lost", job_id=i, fence=c)
+        outcomes = core.maintain(conn, consumed=list(b.consumed),
+                                 grace=3 * b.options.tick_interval)
+        for outcome, job_id, queue in outcomes:
+            if outcome == "buried":
+                _log_event("pgjobs.claim.buried", job_id=job_id, queue=queue)
+            elif outcome == "requeued":
+                _log_event("pgjobs.lease.rescued", logging.INFO, job_id=job_id, queue=queue)
+            elif outcome == "queue_expired":
+                _log_event("pgjobs.queue.expired", logging.INFO, queue=queue)

@@ -1,0 +1,282 @@
+"""The queue core: every statement pgjobs runs against the job tables, and what it means.
+
+The kombu transport, the CLI and celery_ext call this module; none of them writes SQL of their
+own for the job tables. Methods take the connection to run on, so a caller can publish inside a
+transaction it holds (the outbox and the scheduler do): when the caller's transaction commits,
+the row and its NOTIFY are committed together; when it rolls back, neither exists.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any, NewType
+
+import psycopg
+from psycopg.types.json import Jsonb
+
+from .errors import MessageError
+from .options import validate_queue_name, validate_schema_name
+from .sql import queries
+
+__all__ = [
+    "MAX_ATTEMPTS_HEADER",
+    "Claimed",
+    "ClaimResult",
+    "JobId",
+    "NewJob",
+    "QueueCore",
+    "job_from_message",
+]
+
+log = logging.getLogger("kombu_pgjobs")
+
+JobId = NewType("JobId", int)
+#: Header a publisher (celery_ext) may set to override the max_attempts transport option.
+MAX_ATTEMPTS_HEADER = "x-pgjobs-max-attempts"
+
+Pair = tuple[int, int]  # (job id, claim number): what a delivery tag carries
+
+
+@dataclass(frozen=True, slots=True)
+class NewJob:
+    """A message ready to be inserted: the columns derived from a kombu message."""
+
+    queue: str
+    priority: int
+    run_at: datetime | None
+    ttl_ms: float | None
+    max_attempts: int | None
+    task: str | None
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class Claimed:
+    id: int
+    claim: int
+    queue: str
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimResult:
+    claimed: list[Claimed]
+    acked: set[int]
+    #: seconds until the next delayed message of these queues is due (None: none or unknown)
+    due_in: float | None
+    #: True when fewer rows than asked were claimable (the queues are drained for now)
+    drained: bool
+
+
+def _parse_eta(value: Any) -> datetime | None:
+    if value in (None, ""):
+        return None
+    if isinstance(value, datetime):
+        dt = value
+    else:
+        try:
+            text = str(value)
+            if text.endswith("Z"):
+                text = text[:-1] + "+00:00"
+            dt = datetime.fromisoformat(text)
+        except ValueError:
+            raise MessageError(f"message eta {value!r} is not an ISO 8601 timestamp") from None
+    if dt.tzinfo is None:
+        dt = dt.replace(tzinfo=timezone.utc)
+    return dt
+
+
+def _number(name: str, value: Any, *, minimum: float, maximum: float) -> float:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise MessageError(f"message {name} must be a number, got {value!r}") from None
+    if not math.isfinite(number) or not minimum <= number <= maximum:
+        raise MessageError(
+            f"message {name} must be between {minimum:g} and {maximum:g}, got {value!r}")
+    return number
+
+
+def job_from_message(queue: str, message: Mapping[str, Any]) -> NewJob:
+    """Validate a kombu message and derive its columns; raise MessageError on bad input."""
+    validate_queue_name(queue)
+    props = message.get("properties") or {}
+    headers = message.get("headers") or {}
+    raw_priority = props.get("priority")
+    priority = 0 if raw_priority is None else int(
+        _number("priority", raw_priority, minimum=0, maximum=255))
+    priority = min(priority, 9)  # kombu's virtual range; x-max-priority above 9 is clamped
+    expiration = props.get("expiration")
+    ttl_ms = None if expiration in (None, "") else _number(
+        "expiration", expiration, minimum=0, maximum=2**53)
+    raw_max = headers.get(MAX_ATTEMPTS_HEADER)
+    max_attempts = None if raw_max is None else int(
+        _number(MAX_ATTEMPTS_HEADER, raw_max, minimum=1, maximum=1_000_000))
+    task = headers.get("task")
+    try:
+        text = json.dumps(message, separators=(",", ":"))
+    except (TypeError, ValueError) as exc:
+        raise MessageError(f"message is not JSON-serializable: {exc}") from None
+    return NewJob(queue, priority, _parse_eta(headers.get("eta")), ttl_ms, max_attempts,
+                  task if isinstance(task, str) else None, text)
+
+
+def _pairs(pairs: Iterable[Pair]) -> tuple[list[int], list[int]]:
+    ids: list[int] = []
+    claims: list[int] = []
+    for job_id, claim in pairs:
+        ids.append(job_id)
+        claims.append(claim)
+    return ids, claims
+
+
+class QueueCore:
+    """Statements on the job tables of one schema."""
+
+    def __init__(self, schema: str, *, lease_ttl: float, max_attempts: int) -> None:
+        self.schema = validate_schema_name(schema)
+        self.lease_ttl = lease_ttl
+        self.max_attempts = max_attempts
+        self.channel = f"pgjobs.{schema}"
+        self.q = queries(schema)
+
+    # -- publish -------------------------------------------------------------------------
+    def publish(self, conn: psycopg.Connection, job: NewJob) -> None:
+        """Insert one message (one round trip). Durable when ``conn`` commits."""
+        conn.execute(self.q["job_insert"], {
+            "queue": job.queue, "priority": job.priority, "run_at": job.run_at,
+            "ttl_ms": job.ttl_ms, "max_attempts": job.max_attempts, "task": job.task,
+            "message": job.message,
+        })
+
+    def publish_many(self, conn: psycopg.Connection, jobs: Sequence[NewJob]) -> int:
+        """Insert many messages in one statement: the batch path."""
+        if not jobs:
+            return 0
+        conn.execute(self.q["job_insert_many"], {
+            "queue": [j.queue for j in jobs],
+            "priority": [j.priority for j in jobs],
+            "run_at": [j.run_at for j in jobs],
+            "ttl_ms": [j.ttl_ms for j in jobs],
+            "max_attempts": [j.max_attempts for j in jobs],
+            "task": [j.task for j in jobs],
+            "message": [j.message for j in jobs],
+        })
+        return len(jobs)
+
+    def publish_fanout(self, conn: psycopg.Connection, exchange: str, job: NewJob) -> None:
+        """Insert one copy of a message per queue bound to a fanout exchange."""
+        conn.execute(self.q["job_insert_fanout"], {
+            "exchange": exchange, "priority": job.priority, "run_at": job.run_at,
+            "ttl_ms": job.ttl_ms, "max_attempts": job.max_attempts, "task": job.task,
+            "message": job.message,
+        })
+
+    # -- claim and settle ----------------------------------------------------------------
+    def claim(self, conn: psycopg.Connection, queues: Sequence[str], n: int, worker: str,
+              acks: Sequence[Pair] = ()) -> ClaimResult:
+        """Flush fenced acks and claim up to ``n`` due messages, in one round trip."""
+        ack_ids, ack_claims = _pairs(acks)
+        rows = conn.execute(self.q["job_claim"], {
+            "ack_ids": ack_ids, "ack_claims": ack_claims, "queues": list(queues), "n": n,
+            "ttl": self.lease_ttl, "worker": worker,
+        }).fetchall()
+        claimed: list[Claimed] = []
+        acked: set[int] = set()
+        due_in: float | None = None
+        drained = False
+        for kind, job_id, claim, queue, message, due in rows:
+            if kind == "c":
+                claimed.append(Claimed(job_id, claim, queue, message))
+            elif kind == "a":
+                acked.add(job_id)
+            else:
+                drained = True
+                due_in = due
+        return ClaimResult(claimed, acked, due_in, drained)
+
+    def ack(self, conn: psycopg.Connection, pairs: Sequence[Pair]) -> set[int]:
+        """Fenced delete of acked messages; returns the ids that were still held."""
+        ids, claims = _pairs(pairs)
+        return {r[0] for r in conn.execute(
+            self.q["job_ack"], {"ids": ids, "claims": claims}).fetchall()}
+
+    def requeue(self, conn: psycopg.Connection, pairs: Sequence[Pair], *,
+                uncount: bool) -> set[int]:
+        """Fenced return to ready; ``uncount`` when the message never started."""
+        ids, claims = _pairs(pairs)
+        return {r[0] for r in conn.execute(self.q["job_requeue"], {
+            "ids": ids, "claims": claims, "uncount": uncount, "channel": self.channel,
+        }).fetchall()}
+
+    def bury(self, conn: psycopg.Connection, pairs: Sequence[Pair], *, reason: str,
+             error: Mapping[str, Any] | None = None) -> set[int]:
+        """Fenced move to the dead-letter table with a reason (and error, if known)."""
+        ids, claims = _pairs(pairs)
+        return {r[0] for r in conn.execute(self.q["job_bury"], {
+            "ids": ids, "claims": claims, "reason": reason,
+            "error": Jsonb(dict(error)) if error else None,
+        }).fetchall()}
+
+    def renew(self, conn: psycopg.Connection, pairs: Sequence[Pair]) -> set[int]:
+        """Fenced lease renewal; returns the ids still held."""
+        ids, claims = _pairs(pairs)
+        return {r[0] for r in conn.execute(self.q["job_renew"], {
+            "ids": ids, "claims": claims, "ttl": self.lease_ttl}).fetchall()}
+
+    def maintain(self, conn: psycopg.Connection, *, consumed: Sequence[str], grace: float,
+                 limit: int = 1000) -> list[tuple[str, int | None, str]]:
+        """The keeper's tick: rescue or bury lapsed leases, drop expired messages and queues,
+        mark consumed queues in use. Returns [(outcome, id, queue)]."""
+        rows = conn.execute(self.q["job_maintain"], {
+            "limit": limit, "max_attempts": self.max_attempts, "channel": self.channel,
+            "consumed": list(consumed), "grace": grace,
+        }).fetchall()
+        return [(r[0], r[1], r[2]) for r in rows]
+
+    # -- queues and bindings -------------------------------------------------------------
+    def declare_queue(self, conn: psycopg.Connection, name: str, *,
+                      expires_ms: int | None = None, message_ttl_ms: int | None = None,
+                      max_priority: int | None = None, auto_delete: bool = False) -> None:
+        validate_queue_name(name)
+        conn.execute(self.q["queue_declare"], {
+            "name": name, "expires_ms": expires_ms, "message_ttl_ms": message_ttl_ms,
+            "max_priority": max_priority, "auto_delete": auto_delete})
+
+    def queue_exists(self, conn: psycopg.Connection, name: str) -> bool:
+        row = conn.execute(self.q["queue_exists"], {"name": name}).fetchone()
+        return bool(row and row[0])
+
+    def delete_queue(self, conn: psycopg.Connection, name: str) -> None:
+        conn.execute(self.q["queue_delete"], {"name": name})
+
+    def purge(self, conn: psycopg.Connection, queue: str) -> int:
+        row = conn.execute(self.q["job_purge"], {"queue": queue}).fetchone()
+        return int(row[0]) if row else 0
+
+    def size(self, conn: psycopg.Connection, queue: str) -> int:
+        row = conn.execute(self.q["job_size"], {"queue": queue}).fetchone()
+        return int(row[0]) if row else 0
+
+    def bind(self, conn: psycopg.Connection, exchange: str, exchange_type: str,
+             routing_key: str, pattern: str, queue: str) -> None:
+        conn.execute(self.q["binding_add"], {
+            "exchange": exchange, "exchange_type": exchange_type,
+            "routing_key": routing_key or "", "pattern": pattern or "", "queue": queue})
+
+    def unbind(self, conn: psycopg.Connection, exchange: str, routing_key: str,
+               queue: str) -> None:
+        conn.execute(self.q["binding_remove"], {
+            "exchange": exchange, "routing_key": routing_key or "", "queue": queue})
+
+    def binding_table(self, conn: psycopg.Connection,
+                      exchange: str) -> tuple[list[tuple[str, str, str]], str | None]:
+        """(routing_key, pattern, queue) rows of an exchange, and its type (None: unknown)."""
+        rows = conn.execute(self.q["binding_table"], {"exchange": exchange}).fetchall()
+        kind = rows[0][3] if rows else None
+        return [(r[0], r[1], r[2]) for r in rows], kind

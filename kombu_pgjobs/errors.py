@@ -1,0 +1,107 @@
+"""Errors with stable codes.
+
+Every error pgjobs raises derives from :class:`PgJobsError` and carries a ``code`` that is never
+renumbered or reused. Codes are grouped by area:
+
+* ``PGJ-1xx`` database, URL and configuration
+* ``PGJ-2xx`` leases and fencing (logged, never raised at Celery)
+* ``PGJ-3xx`` concurrency and limits
+* ``PGJ-4xx`` dead letters and operator commands
+* ``PGJ-5xx`` outbox and tenants
+* ``PGJ-6xx`` scheduler and leadership
+* ``PGJ-7xx`` migrations
+
+The class docstring is the default message; pass a more specific one where it helps the user fix
+the mistake. ``docs/reference/errors.md`` lists every code (a unit test keeps the two in step).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ConfigurationError",
+    "DatabaseUnavailable",
+    "EmbeddedServerError",
+    "InvalidName",
+    "InvalidOption",
+    "InvalidURL",
+    "MessageError",
+    "MigrationError",
+    "NotFound",
+    "PgJobsError",
+    "all_error_classes",
+]
+
+
+class PgJobsError(Exception):
+    """pgjobs failed."""
+
+    code = "PGJ-000"
+
+    def __init__(self, message: str | None = None) -> None:
+        self.message = message or (self.__doc__ or "").strip().splitlines()[0]
+        super().__init__(f"[{self.code}] {self.message}")
+
+
+class ConfigurationError(PgJobsError):
+    """The pgjobs configuration is invalid."""
+
+    code = "PGJ-100"
+
+
+class InvalidURL(ConfigurationError):
+    """The broker URL is malformed: use pgjobs://user:password@host:port/database."""
+
+    code = "PGJ-101"
+
+
+class InvalidOption(ConfigurationError):
+    """A transport option has an invalid value; see docs/reference/configuration.md."""
+
+    code = "PGJ-102"
+
+
+class InvalidName(ConfigurationError):
+    """A schema, queue or exchange name is invalid."""
+
+    code = "PGJ-103"
+
+
+class DatabaseUnavailable(PgJobsError):
+    """PostgreSQL could not be reached; check the broker URL and that the server runs."""
+
+    code = "PGJ-104"
+
+
+class EmbeddedServerError(PgJobsError):
+    """The embedded PostgreSQL server could not be started; install kombu-pgjobs[embedded]."""
+
+    code = "PGJ-105"
+
+
+class MessageError(PgJobsError):
+    """A message could not be published: its properties are invalid."""
+
+    code = "PGJ-106"
+
+
+class NotFound(PgJobsError):
+    """No such message, queue or dead letter."""
+
+    code = "PGJ-401"
+
+
+class MigrationError(PgJobsError):
+    """The pgjobs schema could not be migrated."""
+
+    code = "PGJ-701"
+
+
+def all_error_classes() -> list[type[PgJobsError]]:
+    """Every error class, for the code-uniqueness test and the errors reference."""
+    seen: list[type[PgJobsError]] = []
+    stack: list[type[PgJobsError]] = [PgJobsError]
+    while stack:
+        cls = stack.pop()
+        seen.append(cls)
+        stack.extend(cls.__subclasses__())
+    return seen

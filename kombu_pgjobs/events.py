@@ -1,0 +1,24 @@
+"""Stable log event names and codes.
+
+Events that are logged rather than raised (a stale settle must never raise at Celery) still get
+a stable name and code, so operators can alert on them.
+"""
+
+from __future__ import annotations
+
+__all__ = ["EVENTS"]
+
+#: event name -> (code, meaning)
+EVENTS: dict[str, tuple[str, str]] = {
+    "pgjobs.settle.unowned": (
+        "PGJ-201", "an ack/reject/requeue hit no row: the lease had lapsed and the message was "
+        "rescued (and maybe re-delivered); nothing was changed"),
+    "pgjobs.lease.lost": (
+        "PGJ-202", "a lease could not be renewed: it had lapsed or the message was settled "
+        "elsewhere"),
+    "pgjobs.claim.buried": (
+        "PGJ-203", "a message whose lease lapsed on its final attempt was dead-lettered"),
+    "pgjobs.lease.rescued": (
+        "PGJ-204", "a message whose lease lapsed was put back to ready"),
+    "pgjobs.queue.expired": ("PGJ-205", "a queue unused past its x-expires was dropped"),
+}

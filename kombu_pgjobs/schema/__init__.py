@@ -1,0 +1,91 @@
+"""Versioned, idempotent migrations of the pgjobs schema.
+
+Migrations are ``NNNN_name.sql`` files beside this module, applied in order, each once, in one
+transaction under a transaction-scoped advisory lock: ten workers starting at once install the
+schema once, and the others wait and then see it installed. ``{schema}`` in a file is replaced by
+the quoted schema identifier.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+from importlib import resources
+
+import psycopg
+from psycopg import sql
+
+from ..errors import MigrationError
+from ..options import validate_schema_name
+
+__all__ = ["Migration", "current_version", "latest_version", "migrate", "migrations"]
+
+log = logging.getLogger(__name__)
+_FILE = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
+
+
+@dataclass(frozen=True, slots=True)
+class Migration:
+    version: int
+    name: str
+    text: str
+
+
+def migrations() -> list[Migration]:
+    found = []
+    for entry in resources.files(__package__).iterdir():
+        m = _FILE.match(entry.name)
+        if m:
+            found.append(Migration(int(m.group(1)), m.group(2), entry.read_text("utf-8")))
+    return sorted(found, key=lambda mg: mg.version)
+
+
+def latest_version() -> int:
+    return migrations()[-1].version
+
+
+def current_version(conn: psycopg.Connection, schema: str) -> int:
+    """The applied version, 0 when the schema is not installed. One round trip."""
+    row = conn.execute(
+        "SELECT to_regclass(%s) IS NOT NULL", (f'"{schema}".pgjobs_migration',)
+    ).fetchone()
+    if not row or not row[0]:
+        return 0
+    q = sql.SQL("SELECT coalesce(max(version), 0) FROM {}.pgjobs_migration").format(
+        sql.Identifier(schema))
+    got = conn.execute(q).fetchone()
+    return int(got[0]) if got else 0
+
+
+def migrate(conn: psycopg.Connection, schema: str) -> list[int]:
+    """Apply pending migrations; return the versions applied (empty when up to date)."""
+    validate_schema_name(schema)
+    ident = sql.Identifier(schema)
+    applied: list[int] = []
+    try:
+        with conn.transaction():
+            conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"pgjobs.migrate.{schema}",))
+            conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(ident))
+            conn.execute(sql.SQL(
+                "CREATE TABLE IF NOT EXISTS {}.pgjobs_migration ("
+                " version integer PRIMARY KEY,"
+                " name text NOT NULL,"
+                " applied_at timestamptz NOT NULL DEFAULT now())").format(ident))
+            rows = conn.execute(
+                sql.SQL("SELECT version FROM {}.pgjobs_migration").format(ident)).fetchall()
+            done = {r[0] for r in rows}
+            for mg in migrations():
+                if mg.version in done:
+                    continue
+                conn.execute(sql.SQL(mg.text).format(schema=ident))  # type: ignore[arg-type]
+                conn.execute(
+                    sql.SQL("INSERT INTO {}.pgjobs_migration (version, name) VALUES (%s, %s)")
+                    .format(ident), (mg.version, mg.name))
+                applied.append(mg.version)
+    except psycopg.Error as exc:
+        raise MigrationError(f"migrating schema {schema!r} failed: {exc}") from exc
+    if applied:
+        log.info("pgjobs.migrate.applied", extra={"action": "migrate", "schema": schema,
+                                                  "versions": applied})
+    return applied

@@ -1,0 +1,41 @@
+"""All runtime SQL, one file per table, loaded once.
+
+Each statement sits under a ``-- name: <table>_<verb> :kind`` header followed by comment lines
+that say what it does. ``{schema}`` is replaced by the quoted schema identifier with
+:mod:`psycopg.sql`, never by string formatting, and the composed text is cached per schema.
+"""
+
+from __future__ import annotations
+
+import re
+from functools import cache
+from importlib import resources
+
+from psycopg import sql
+
+__all__ = ["queries", "raw_queries"]
+
+_HEADER = re.compile(r"^-- name: (\w+)(?: :\w+)?\s*$", re.MULTILINE)
+
+
+@cache
+def raw_queries() -> dict[str, str]:
+    found: dict[str, str] = {}
+    for entry in sorted(resources.files(__package__).iterdir(), key=lambda e: e.name):
+        if not entry.name.endswith(".sql"):
+            continue
+        text = entry.read_text("utf-8")
+        parts = _HEADER.split(text)
+        for name, body in zip(parts[1::2], parts[2::2], strict=True):
+            if name in found:
+                raise RuntimeError(f"duplicate query name {name}")
+            found[name] = body.strip().rstrip(";")
+    return found
+
+
+@cache
+def queries(schema: str) -> dict[str, sql.Composed]:
+    """Every query composed for ``schema`` (validated by the caller)."""
+    ident = sql.Identifier(schema)
+    return {name: sql.SQL(text).format(schema=ident)  # type: ignore[arg-type]
+            for name, text in raw_queries().items()}

@@ -1,0 +1,216 @@
+-- name: job_insert :exec
+-- Publish one message. The queue's x-message-ttl applies unless the message has its own
+-- expiration. The insert trigger sends one NOTIFY for the queue.
+INSERT INTO {schema}.pgjobs_job
+       (queue, priority, run_at, expires_at, max_attempts, task, message)
+SELECT %(queue)s, %(priority)s, coalesce(%(run_at)s, now()),
+       now() + make_interval(secs => coalesce(%(ttl_ms)s, q.message_ttl_ms) / 1000.0),
+       %(max_attempts)s, %(task)s, %(message)s
+  FROM (SELECT) AS one
+  LEFT JOIN {schema}.pgjobs_queue AS q ON q.name = %(queue)s;
+
+-- name: job_insert_many :exec
+-- Publish many messages in one statement (the batch path): one row per array element.
+INSERT INTO {schema}.pgjobs_job
+       (queue, priority, run_at, expires_at, max_attempts, task, message)
+SELECT m.queue, m.priority, coalesce(m.run_at, now()),
+       now() + make_interval(secs => coalesce(m.ttl_ms, q.message_ttl_ms) / 1000.0),
+       m.max_attempts, m.task, m.message
+  FROM unnest(%(queue)s::text[], %(priority)s::smallint[], %(run_at)s::timestamptz[],
+              %(ttl_ms)s::float8[], %(max_attempts)s::int[], %(task)s::text[],
+              %(message)s::json[])
+       AS m(queue, priority, run_at, ttl_ms, max_attempts, task, message)
+  LEFT JOIN {schema}.pgjobs_queue AS q ON q.name = m.queue;
+
+-- name: job_insert_fanout :exec
+-- Publish one message to every queue bound to a fanout exchange (one row per queue).
+INSERT INTO {schema}.pgjobs_job
+       (queue, priority, run_at, expires_at, max_attempts, task, message)
+SELECT b.queue, %(priority)s, coalesce(%(run_at)s, now()),
+       now() + make_interval(secs => coalesce(%(ttl_ms)s, q.message_ttl_ms) / 1000.0),
+       %(max_attempts)s, %(task)s, %(message)s
+  FROM (SELECT DISTINCT queue FROM {schema}.pgjobs_binding WHERE exchange = %(exchange)s) AS b
+  LEFT JOIN {schema}.pgjobs_queue AS q ON q.name = b.queue;
+
+-- name: job_claim :many
+-- Settle buffered acks and claim up to %(n)s due messages, in one round trip.
+-- Returns kind 'c' rows (claimed: id, claim, queue, message), kind 'a' rows (acks that hit
+-- their fence) and, when fewer than %(n)s were claimed, one kind 'n' row whose due_in is the
+-- number of seconds until a delayed message of these queues is due (NULL if none).
+WITH acked AS (
+    -- Fenced ack: only the holder of this exact claim, still running, may delete the row.
+    DELETE FROM {schema}.pgjobs_job AS j
+     USING unnest(%(ack_ids)s::bigint[], %(ack_claims)s::int[]) AS a(id, claim)
+     WHERE j.id = a.id AND j.claim = a.claim AND j.state = 'running'
+    RETURNING j.id
+), candidates AS (
+    -- Per queue (so each queue's index order is used), the best due rows nobody holds.
+    SELECT c.id, c.priority, c.run_at
+      FROM unnest(%(queues)s::text[]) AS wanted(name)
+      LEFT JOIN {schema}.pgjobs_queue AS q ON q.name = wanted.name
+     CROSS JOIN LATERAL (
+            SELECT j.id, j.priority, j.run_at
+              FROM {schema}.pgjobs_job AS j
+             WHERE j.queue = wanted.name
+               AND j.state = 'ready'
+               AND j.run_at <= now()
+               AND (j.expires_at IS NULL OR j.expires_at > now())
+             ORDER BY j.priority DESC, j.run_at, j.id
+             LIMIT %(n)s
+               FOR UPDATE SKIP LOCKED
+           ) AS c
+     WHERE q.paused IS NOT TRUE
+     ORDER BY c.priority DESC, c.run_at, c.id
+     LIMIT %(n)s
+), claimed AS (
+    -- Take the lease: bump the fence, count the attempt, name the holder.
+    UPDATE {schema}.pgjobs_job AS j
+       SET state = 'running',
+           claim = j.claim + 1,
+           attempts = j.attempts + 1,
+           lease_expires_at = now() + make_interval(secs => %(ttl)s),
+           worker = %(worker)s
+      FROM candidates
+     WHERE j.id = candidates.id
+    RETURNING j.id, j.claim, j.queue, j.priority, j.run_at, j.message
+)
+SELECT 'c' AS kind, id, claim, queue, message::text AS message, NULL::float8 AS due_in
+  FROM (SELECT * FROM claimed ORDER BY priority DESC, run_at, id) AS ordered
+UNION ALL
+SELECT 'a', id, NULL, NULL, NULL, NULL FROM acked
+UNION ALL
+SELECT 'n', NULL, NULL, NULL, NULL,
+       (SELECT extract(epoch FROM min(j.run_at) - now())::float8
+          FROM {schema}.pgjobs_job AS j
+         WHERE j.queue = ANY(%(queues)s::text[]) AND j.state = 'ready' AND j.run_at > now())
+ WHERE (SELECT count(*) FROM claimed) < %(n)s;
+
+-- name: job_ack :many
+-- Fenced ack of buffered (id, claim) pairs when no claim follows soon. Returns the ids it hit.
+DELETE FROM {schema}.pgjobs_job AS j
+ USING unnest(%(ids)s::bigint[], %(claims)s::int[]) AS a(id, claim)
+ WHERE j.id = a.id AND j.claim = a.claim AND j.state = 'running'
+RETURNING j.id;
+
+-- name: job_requeue :many
+-- Fenced requeue (basic_reject requeue=True, warm-shutdown restore). When %(uncount)s, the
+-- delivery does not count as an attempt (the message never started). NOTIFY wakes consumers.
+WITH back AS (
+    UPDATE {schema}.pgjobs_job AS j
+       SET state = 'ready',
+           attempts = CASE WHEN %(uncount)s THEN greatest(j.attempts - 1, 0) ELSE j.attempts END,
+           lease_expires_at = NULL,
+           worker = NULL,
+           run_at = now()
+      FROM unnest(%(ids)s::bigint[], %(claims)s::int[]) AS a(id, claim)
+     WHERE j.id = a.id AND j.claim = a.claim AND j.state = 'running'
+    RETURNING j.id, j.queue
+)
+SELECT back.id, pg_notify(%(channel)s, back.queue) IS NULL FROM back;
+
+-- name: job_bury :many
+-- Fenced dead-lettering (basic_reject requeue=False): the row moves to pgjobs_dead_letter with
+-- its reason and error, in one statement.
+WITH dead AS (
+    DELETE FROM {schema}.pgjobs_job AS j
+     USING unnest(%(ids)s::bigint[], %(claims)s::int[]) AS a(id, claim)
+     WHERE j.id = a.id AND j.claim = a.claim AND j.state = 'running'
+    RETURNING j.*
+)
+INSERT INTO {schema}.pgjobs_dead_letter
+       (id, queue, priority, task, claim, attempts, max_attempts, reason, error, created_at,
+        message)
+SELECT id, queue, priority, task, claim, attempts, max_attempts, %(reason)s, %(error)s,
+       created_at, message
+  FROM dead
+RETURNING id;
+
+-- name: job_renew :many
+-- Fenced lease renewal of every message this process holds. A lapsed lease is not revived:
+-- once it lapsed, the message belongs to whoever claims it next.
+UPDATE {schema}.pgjobs_job AS j
+   SET lease_expires_at = now() + make_interval(secs => %(ttl)s)
+  FROM unnest(%(ids)s::bigint[], %(claims)s::int[]) AS h(id, claim)
+ WHERE j.id = h.id AND j.claim = h.claim AND j.state = 'running'
+   AND j.lease_expires_at > now()
+RETURNING j.id;
+
+-- name: job_maintain :many
+-- The keeper's tick, one round trip for everything periodic:
+--  * lapsed leases: a row with attempts left goes back to ready (and wakes its consumers); a
+--    row on its final attempt is buried as dead, never handed out again;
+--  * expired ready messages (x-message-ttl, per-message expiration) are dropped;
+--  * queues this process consumes are marked in use (x-expires);
+--  * queues unused past their x-expires (at least %(grace)s seconds, so a live consumer's touch
+--    always lands first) are dropped with their bindings and ready messages.
+-- Each step is bounded by %(limit)s rows. Returns (outcome, id, queue) rows for logging.
+WITH lapsed AS (
+    SELECT j.id
+      FROM {schema}.pgjobs_job AS j
+     WHERE j.state = 'running' AND j.lease_expires_at < now()
+     ORDER BY j.lease_expires_at
+     LIMIT %(limit)s
+       FOR UPDATE SKIP LOCKED
+), buried AS (
+    DELETE FROM {schema}.pgjobs_job AS j
+     USING lapsed
+     WHERE j.id = lapsed.id AND j.attempts >= coalesce(j.max_attempts, %(max_attempts)s)
+    RETURNING j.*
+), dead AS (
+    INSERT INTO {schema}.pgjobs_dead_letter
+           (id, queue, priority, task, claim, attempts, max_attempts, reason, error,
+            created_at, message)
+    SELECT id, queue, priority, task, claim, attempts, max_attempts,
+           'lease_expired_final_attempt',
+           jsonb_build_object('type', 'LeaseExpired',
+                              'message', 'lease lapsed on the final attempt (held by '
+                                         || coalesce(worker, '?') || ')'),
+           created_at, message
+      FROM buried
+    RETURNING id, queue
+), requeued AS (
+    UPDATE {schema}.pgjobs_job AS j
+       SET state = 'ready', lease_expires_at = NULL, worker = NULL
+      FROM lapsed
+     WHERE j.id = lapsed.id AND j.attempts < coalesce(j.max_attempts, %(max_attempts)s)
+    RETURNING j.id, j.queue
+), expired AS (
+    DELETE FROM {schema}.pgjobs_job
+     WHERE id IN (SELECT id FROM {schema}.pgjobs_job
+                   WHERE expires_at < now() AND state = 'ready'
+                   LIMIT %(limit)s)
+    RETURNING id, queue
+), touched AS (
+    UPDATE {schema}.pgjobs_queue SET last_used_at = now()
+     WHERE name = ANY(%(consumed)s::text[]) AND expires_ms IS NOT NULL
+    RETURNING name
+), gone AS (
+    DELETE FROM {schema}.pgjobs_queue
+     WHERE expires_ms IS NOT NULL
+       AND last_used_at < now() - make_interval(secs => greatest(expires_ms / 1000.0, %(grace)s))
+       AND NOT name = ANY(%(consumed)s::text[])
+    RETURNING name
+), gone_bindings AS (
+    DELETE FROM {schema}.pgjobs_binding WHERE queue IN (SELECT name FROM gone)
+), gone_jobs AS (
+    DELETE FROM {schema}.pgjobs_job WHERE queue IN (SELECT name FROM gone) AND state = 'ready'
+)
+SELECT 'requeued' AS outcome, id, queue, pg_notify(%(channel)s, queue) IS NULL AS _
+  FROM requeued
+UNION ALL
+SELECT 'buried', id, queue, false FROM dead
+UNION ALL
+SELECT 'expired', id, queue, false FROM expired
+UNION ALL
+SELECT 'queue_expired', NULL, name, false FROM gone;
+
+-- name: job_purge :one
+-- Purge a queue's ready messages (running ones finish and are acked as usual).
+WITH gone AS (
+    DELETE FROM {schema}.pgjobs_job WHERE queue = %(queue)s AND state = 'ready' RETURNING 1
+)
+SELECT count(*) FROM gone;
+
+-- name: job_size :one
+-- Ready messages in a queue (what kombu and Celery call the queue's size).
+SELECT count(*) FROM {schema}.pgjobs_job WHERE queue = %(queue)s AND state = 'ready';

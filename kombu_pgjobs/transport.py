@@ -1,0 +1,479 @@
+"""pgjobs:// — a kombu transport on PostgreSQL with fenced leases.
+
+Features
+========
+* Type: virtual (kombu's virtual Channel/QoS; the queue core decides, this module translates)
+* Supports direct, topic and fanout exchanges (bindings stored in Postgres): yes
+* Supports priority: yes, 0-9, higher first (as on RabbitMQ)
+* Supports TTL: yes (per-message ``expiration``, queue ``x-message-ttl`` and ``x-expires``)
+* Delayed delivery: Celery ``eta``/``countdown`` become the row's due time
+* Native delayed delivery, acks: fenced on ``(id, claim)``; leases renewed while unacked
+
+Connection string
+=================
+``pgjobs://user:password@host:port/database`` — libpq parameters such as ``sslmode`` go in the
+``connect_options`` transport option. ``pgjobs://`` (no host) or ``pgjobs:///name`` starts or
+reuses an embedded PostgreSQL in a per-user data directory (``kombu-pgjobs[embedded]``).
+
+Transport options
+=================
+See :data:`kombu_pgjobs.options.OPTIONS` and docs/reference/configuration.md.
+
+Design
+======
+* ``drain_events`` claims up to the channel's free prefetch window in ONE statement that also
+  deletes the acks buffered since the last claim (fenced), and delivers every claimed row.
+* It refills at a low-water mark (half the window), not per freed slot, and never sleeps a
+  polling interval while work waits: it blocks in ``select()`` on the claim connection's socket
+  (which LISTENs) and on a self-pipe that acks poke.
+* An ack is buffered (thread-safe, non-blocking) and flushed within ``ack_flush_interval`` by
+  the consumer thread, or folded into the next claim. A crash before the flush re-delivers the
+  message after its lease lapses; nothing acked-and-flushed is ever re-delivered.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import select
+import socket
+import threading
+import time
+from collections.abc import Iterable
+from queue import Empty
+from typing import Any
+
+import psycopg
+from kombu.transport import virtual
+from kombu.utils.objects import cached_property
+from psycopg import sql
+
+from .backend import Backend, backend_for
+from .core import Claimed, job_from_message
+from .database import conninfo_from_parts
+from .errors import DatabaseUnavailable, InvalidName, PgJobsError
+from .options import TransportOptions, validate_queue_name
+
+__all__ = ["Channel", "QoS", "Transport", "parse_tag"]
+
+log = logging.getLogger("kombu_pgjobs")
+
+
+def make_tag(job_id: int, claim: int) -> str:
+    return f"{job_id}.{claim}"
+
+
+def parse_tag(tag: Any) -> tuple[int, int] | None:
+    """Delivery tags carry ``(id, claim)``; anything else is not ours (None)."""
+    try:
+        job_id, claim = str(tag).split(".", 1)
+        return int(job_id), int(claim)
+    except ValueError:
+        return None
+
+
+class QoS(virtual.QoS):
+    """Acks are buffered in the backend and flushed fenced; rejects settle at once."""
+
+    channel: Channel
+
+    def ack(self, delivery_tag: Any) -> None:
+        pair = parse_tag(delivery_tag)
+        if pair is not None:
+            self.channel.backend.buffer_ack(*pair)
+        super().ack(delivery_tag)
+
+    def reject(self, delivery_tag: Any, requeue: bool = False) -> None:
+        pair = parse_tag(delivery_tag)
+        if pair is not None:
+            self.channel.settle([pair], requeue=requeue, uncount=False)
+        self._quick_ack(delivery_tag)
+
+    def restore_unacked(self) -> list[Any]:
+        """Hand unacked (prefetched, unstarted) messages back at once, without an attempt."""
+        self._flush()
+        pairs = [p for p in (parse_tag(t) for t in self._delivered) if p is not None]
+        self._delivered.clear()
+        if pairs:
+            try:
+                self.channel.settle(pairs, requeue=True, uncount=True)
+            except Exception as exc:  # the lease will lapse and rescue them anyway
+                log.warning("pgjobs.restore.failed %s", exc, extra={"action": "restore"})
+                return [(exc, None)]
+        return []
+
+
+class Channel(virtual.Channel):
+    QoS = QoS
+    supports_fanout = True
+    do_restore = True
+    #: cached routing tables: exchange -> (monotonic time, table, type)
+    _table_cache_ttl = 1.0
+
+    connection: Transport
+
+    def __init__(self, connection: Transport, **kwargs: Any) -> None:
+        super().__init__(connection, **kwargs)
+        self._tables: dict[str, tuple[float, list[tuple[str, str, str]], str | None]] = {}
+
+    @property
+    def backend(self) -> Backend:
+        return self.connection.backend
+
+    # -- publish -------------------------------------------------------------------------
+    def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
+        self.backend.publish(job_from_message(queue, message))
+
+    def _put_fanout(self, exchange: str, message: dict[str, Any], routing_key: str,
+                    **kwargs: Any) -> None:
+        job = job_from_message(exchange, message)
+        self.backend.publishing(lambda c: self.backend.core.publish_fanout(c, exchange, job))
+
+    def basic_publish(self, message: dict[str, Any], exchange: str, routing_key: str,
+                      **kwargs: Any) -> Any:
+        if exchange and exchange not in self.state.exchanges:
+            self._remote_type(exchange)
+        return super().basic_publish(message, exchange, routing_key, **kwargs)
+
+    # -- routing -------------------------------------------------------------------------
+    def _remote_table(self, exchange: str) -> tuple[list[tuple[str, str, str]], str | None]:
+        now = time.monotonic()
+        hit = self._tables.get(exchange)
+        if hit and now - hit[0] < self._table_cache_ttl:
+            return hit[1], hit[2]
+        table, kind = self.backend.publishing(
+            lambda c: self.backend.core.binding_table(c, exchange))
+        self._tables[exchange] = (now, table, kind)
+        return table, kind
+
+    def _remote_type(self, exchange: str) -> None:
+        """Learn an exchange declared by another process (its type) from its bindings."""
+        _, kind = self._remote_table(exchange)
+        if kind:
+            self.state.exchanges.setdefault(exchange, {
+                "type": kind, "durable": True, "auto_delete": False, "arguments": {},
+                "table": []})
+
+    def get_table(self, exchange: str) -> list[tuple[str, str, str]]:
+        table, _ = self._remote_table(exchange)
+        return table
+
+    def _lookup(self, exchange: str, routing_key: str, default: Any = None) -> list[str]:
+        found = super()._lookup(exchange, routing_key, default)
+        if not found or found == [default]:
+            # A binding made by another process within the cache TTL: look again, fresh.
+            self._tables.pop(exchange, None)
+            found = super()._lookup(exchange, routing_key, default)
+        return found
+
+    def _queue_bind(self, exchange: str, routing_key: str, pattern: str, queue: str) -> None:
+        ex_type = self.state.exchanges.get(exchange, {}).get("type", "direct")
+        self.backend.publishing(lambda c: self.backend.core.bind(
+            c, exchange, ex_type, routing_key, pattern, queue))
+        self._tables.pop(exchange, None)
+
+    def queue_unbind(self, queue: str, exchange: str | None = None, routing_key: str = "",
+                     arguments: Any = None, **kwargs: Any) -> None:
+        self.state.binding_delete(queue, exchange, routing_key)
+        if exchange:
+            self.backend.publishing(
+                lambda c: self.backend.core.unbind(c, exchange, routing_key, queue))
+            self._tables.pop(exchange, None)
+
+    # -- queues --------------------------------------------------------------------------
+    def _new_queue(self, queue: str, **kwargs: Any) -> None:
+        args = kwargs.get("arguments") or {}
+
+        def ms(key: str) -> int | None:
+            value = args.get(key)
+            if value is None:
+                return None
+            try:
+                number = int(value)
+            except (TypeError, ValueError):
+                raise InvalidName(f"queue {queue!r}: {key} must be milliseconds") from None
+            if number <= 0:
+                raise InvalidName(f"queue {queue!r}: {key} must be positive, got {value!r}")
+            return number
+
+        expires, ttl, max_priority = ms("x-expires"), ms("x-message-ttl"), ms("x-max-priority")
+        validate_queue_name(queue)
+        self.backend.publishing(lambda c: self.backend.core.declare_queue(
+            c, queue, expires_ms=expires, message_ttl_ms=ttl, max_priority=max_priority,
+            auto_delete=bool(kwargs.get("auto_delete"))))
+
+    def _has_queue(self, queue: str, **kwargs: Any) -> bool:
+        return bool(self.backend.publishing(lambda c: self.backend.core.queue_exists(c, queue)))
+
+    def _delete(self, queue: str, *args: Any, **kwargs: Any) -> None:
+        self.backend.publishing(lambda c: self.backend.core.delete_queue(c, queue))
+
+    def queue_delete(self, queue: str, if_unused: bool = False, if_empty: bool = False,
+                     **kwargs: Any) -> None:
+        if if_empty and self._size(queue):
+            return
+        self._delete(queue)
+        self.state.queue_bindings_delete(queue)
+        self._tables.clear()
+
+    def _purge(self, queue: str) -> int:
+        return int(self.backend.publishing(lambda c: self.backend.core.purge(c, queue)))
+
+    def _size(self, queue: str) -> int:
+        return int(self.backend.publishing(lambda c: self.backend.core.size(c, queue)))
+
+    # -- consume -------------------------------------------------------------------------
+    def _get(self, queue: str, timeout: float | None = None) -> dict[str, Any]:
+        """basic_get: claim exactly one message."""
+        rows = self.connection.claim_for(self, [queue], 1)
+        if not rows:
+            raise Empty()
+        return self.connection.to_message(rows[0])
+
+    def basic_consume(self, queue: str, no_ack: bool, callback: Any, consumer_tag: str,
+                      **kwargs: Any) -> Any:
+        result = super().basic_consume(queue, no_ack, callback, consumer_tag, **kwargs)
+        self.backend.consume([queue], +1)
+        self.connection.mark_dirty([queue])
+        return result
+
+    def basic_cancel(self, consumer_tag: str) -> Any:
+        queue = self._tag_to_queue.get(consumer_tag)
+        result = super().basic_cancel(consumer_tag)
+        if queue is not None:
+            self.backend.consume([queue], -1)
+        return result
+
+    def settle(self, pairs: list[tuple[int, int]], *, requeue: bool, uncount: bool) -> None:
+        """Fenced reject: requeue (to ready) or bury (to the dead-letter table)."""
+        backend = self.backend
+        if requeue:
+            hit = backend.publishing(
+                lambda c: backend.core.requeue(c, pairs, uncount=uncount))
+        else:
+            hit = backend.publishing(lambda c: backend.core.bury(c, pairs, reason="rejected"))
+        backend.settled(pairs, hit, "requeue" if requeue else "reject")
+
+    def close(self) -> None:
+        if not self.closed and self.connection is not None:
+            # Flush buffered acks before unacked messages are restored.
+            try:
+                self.backend.publishing(self.backend.flush_acks)
+            except Exception as exc:
+                log.warning("pgjobs.ack.flush_failed %s", exc, extra={"action": "close"})
+        super().close()
+
+
+class Transport(virtual.Transport):
+    Channel = Channel
+
+    driver_type = "postgresql"
+    driver_name = "psycopg"
+    default_port = 5432
+    polling_interval = 1.0
+
+    implements = virtual.Transport.implements.extend(
+        asynchronous=False,
+        exchange_type=frozenset(["direct", "topic", "fanout"]),
+        heartbeats=False,
+    )
+
+    connection_errors = (
+        *virtual.Transport.connection_errors,
+        DatabaseUnavailable,
+        psycopg.OperationalError,
+        psycopg.InterfaceError,
+    )
+    channel_errors = (*virtual.Transport.channel_errors, PgJobsError, psycopg.DatabaseError)
+
+    def __init__(self, client: Any, **kwargs: Any) -> None:
+        self.options = TransportOptions.parse(client.transport_options)
+        super().__init__(client, **kwargs)
+        if "polling_interval" not in client.transport_options:
+            self.polling_interval = self.options.polling_interval
+        self._conn: psycopg.Connection[Any] | None = None
+        self._conn_lock = threading.RLock()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._dirty: set[str] = set()
+        self._due_at: float | None = None
+        self._next_poll = 0.0
+        self._listening = False
+        self._registered = False
+
+    def driver_version(self) -> str:
+        return psycopg.__version__
+
+    @property
+    def default_connection_params(self) -> dict[str, Any]:
+        return {"port": self.default_port, "hostname": None}
+
+    @cached_property
+    def backend(self) -> Backend:
+        c = self.client
+        conninfo = conninfo_from_parts(
+            host=c.hostname, port=c.port, user=c.userid, password=c.password,
+            dbname=c.virtual_host, options=self.options)
+        return backend_for(conninfo, self.options)
+
+    def establish_connection(self) -> Any:
+        self.backend.publishing(lambda conn: None)  # connect (and migrate) now: fail early
+        return super().establish_connection()
+
+    def close_connection(self, connection: Any) -> None:
+        try:
+            super().close_connection(connection)
+        finally:
+            if self._registered:
+                self.backend.remove_ack_listener(self._poke)
+                self._registered = False
+            with self._conn_lock:
+                if self._conn is not None:
+                    self._conn.close()
+                    self._conn = None
+            for fd in (self._wake_r, self._wake_w):
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+            self._wake_r = self._wake_w = -1
+
+    # -- the claim connection (also the LISTEN session) ----------------------------------
+    def _claim_conn(self) -> psycopg.Connection[Any]:
+        conn = self._conn
+        if conn is None or conn.closed:
+            conn = self._conn = self.backend.connect()
+            self._listening = False
+            if self.options.use_listen_notify:
+                conn.add_notify_handler(lambda n: self._dirty.add(n.payload))
+                conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.backend.core.channel)))
+                self._listening = True
+            self._dirty.update(self._callbacks)  # anything may have arrived meanwhile
+        if not self._registered:
+            self.backend.add_ack_listener(self._poke)
+            self._registered = True
+        return conn
+
+    def _poke(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except (BlockingIOError, OSError):
+            pass
+
+    def mark_dirty(self, queues: Iterable[str]) -> None:
+        self._dirty.update(queues)
+
+    def to_message(self, row: Claimed) -> dict[str, Any]:
+        message: dict[str, Any] = json.loads(row.message)
+        props = message.setdefault("properties", {})
+        props["delivery_tag"] = make_tag(row.id, row.claim)
+        if row.claim > 1:
+            message["redelivered"] = True
+        return message
+
+    def claim_for(self, channel: Channel, queues: list[str], n: int) -> list[Claimed]:
+        backend = self.backend
+        with self._conn_lock:
+            conn = self._claim_conn()
+            acks = backend.take_acks()
+            try:
+                result = backend.core.claim(conn, queues, n, backend.worker, acks)
+            except BaseException:
+                backend.restore_acks(acks)
+                if conn.closed or conn.broken:
+                    self._conn = None
+                raise
+        if acks:
+            backend.settled(acks, result.acked, "ack")
+        if result.claimed:
+            backend.hold([(r.id, r.claim) for r in result.claimed])
+        if result.drained:
+            self._dirty.difference_update(queues)
+            if result.due_in is not None:
+                due = time.monotonic() + max(result.due_in, 0.0)
+                if self._due_at is None or due < self._due_at:
+                    self._due_at = due
+        return result.claimed
+
+    # -- the consumer loop ---------------------------------------------------------------
+    def _pump(self) -> int:
+        """Claim and deliver for every channel whose window is open enough; flush acks."""
+        delivered = 0
+        now = time.monotonic()
+        if now >= self._next_poll:
+            self._dirty.update(self._callbacks)
+            self._next_poll = now + (self.options.idle_poll_interval if self._listening
+                                     else self.polling_interval)
+        if self._due_at is not None and now >= self._due_at:
+            self._due_at = None
+            self._dirty.update(self._callbacks)
+        for channel in list(self.channels):
+            if not channel._consumers or channel.closed:
+                continue
+            queues = [q for q in channel._active_queues if q in self._dirty]
+            if not queues:
+                continue
+            qos = channel.qos
+            free = qos.can_consume_max_estimate()
+            if free is None:
+                free = self.options.max_claim
+            if free <= 0:
+                continue
+            window = qos.prefetch_count or free
+            unacked = len(qos._delivered) - len(qos._dirty)
+            if free < max(1, window // 2) and unacked > 0:
+                continue  # refill at the low-water mark, not per freed slot
+            rows = self.claim_for(channel, queues, min(free, self.options.max_claim))
+            for row in rows:
+                self._deliver(self.to_message(row), row.queue)
+            delivered += len(rows)
+        age = self.backend.oldest_ack_age()
+        if age is not None and age >= self.options.ack_flush_interval:
+            with self._conn_lock:
+                self.backend.flush_acks(self._claim_conn())
+        return delivered
+
+    def _wait(self, timeout: float) -> None:
+        conn = self._claim_conn()
+        fds = [self._wake_r]
+        if self._listening:
+            fds.append(conn.fileno())
+        try:
+            ready, _, _ = select.select(fds, [], [], max(timeout, 0.0))
+        except InterruptedError:  # pragma: no cover
+            return
+        if self._wake_r in ready:
+            try:
+                while os.read(self._wake_r, 4096):
+                    pass
+            except (BlockingIOError, OSError):
+                pass
+        if self._listening and conn.fileno() in ready:
+            with self._conn_lock:
+                pg = conn.pgconn
+                pg.consume_input()
+                while (n := pg.notifies()) is not None:
+                    self._dirty.add(n.extra.decode("utf-8", "replace"))
+
+    def drain_events(self, connection: Any, timeout: float | None = None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if self._pump():
+                return
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                raise socket.timeout()
+            wait = self._next_poll - now
+            if self._due_at is not None:
+                wait = min(wait, self._due_at - now)
+            age = self.backend.oldest_ack_age()
+            if age is not None:
+                wait = min(wait, self.options.ack_flush_interval - age)
+            if deadline is not None:
+                wait = min(wait, deadline - now)
+            if self._dirty and any(ch._consumers for ch in self.channels):
+                # Work may be waiting but the window is closed: wait for an ack, briefly.
+                wait = min(wait, 1.0)
+            self._wait(wait)
