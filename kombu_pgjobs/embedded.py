@@ -207,7 +207,8 @@ def stop_server(data_dir: str | os.PathLike[str] | None = None) -> None:
         return
     with _locked(pgdata):
         pid = _postmaster_pid(pgdata)
-        if pid is None or not _pid_alive(pid):
+        # pg_ctl stop signals whatever pid the file names: never let it hit a reused pid.
+        if pid is None or not _is_our_postmaster(pid, pgdata):
             return
         account = _service_account(pgdata)
         result = _run(
@@ -227,7 +228,7 @@ def stop_server(data_dir: str | os.PathLike[str] | None = None) -> None:
         )
         if result.returncode != 0:
             pid = _postmaster_pid(pgdata)
-            if pid is not None and _pid_alive(pid):
+            if pid is not None and _is_our_postmaster(pid, pgdata):
                 raise EmbeddedPostgresError(
                     f"could not stop the embedded PostgreSQL server in {pgdata}: "
                     f"{result.stdout.strip()}"

@@ -152,7 +152,13 @@ def test_restart_after_stop_keeps_dsn_and_data(data_dir: pathlib.Path, no_initdb
         psycopg.connect(dsn, connect_timeout=2).close()
     embedded.stop_server(data_dir)  # stopping a stopped server is fine
 
+    # A stale postmaster.pid naming a live, unrelated process (as after a container restart):
+    # stop_server must not signal it (pg_ctl stop would SIGINT us) and the start must go ahead.
+    (data_dir / "postmaster.pid").write_text(f"{os.getpid()}\n{data_dir}\n")
+    embedded.stop_server(data_dir)
+
     assert embedded.ensure_server("pgjobs", data_dir=data_dir) == dsn
+    assert _postmaster_pid(data_dir) != os.getpid()
     with psycopg.connect(dsn) as conn:
         assert conn.execute("SELECT x FROM kept").fetchone() == (42,)
 
@@ -201,7 +207,7 @@ def test_concurrent_callers_share_one_server(
     data_dir: pathlib.Path, tmp_path: pathlib.Path
 ) -> None:
     counter = tmp_path / "initdb-calls"
-    start_at = time.time() + 3.0  # enough for five interpreters to import everything
+    start_at = time.time() + 2.0  # enough for five interpreters to import everything
     children = [
         subprocess.Popen(
             [sys.executable, "-c", CHILD, str(data_dir), str(counter), str(start_at)],
