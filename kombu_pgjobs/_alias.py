@@ -2,32 +2,43 @@
 
 kombu has no entry point for transports; its aliases live in ``kombu.transport.TRANSPORT_ALIASES``.
 The ``kombu_pgjobs.pth`` file installed with the package imports this module at interpreter start.
-To keep start-up cheap it does not import kombu: it waits for ``kombu.transport`` to be imported
-(by anyone) and adds the alias then. ``import kombu_pgjobs`` registers it directly as well.
+To keep every Python start-up cheap it imports nothing heavy and not kombu: it waits for
+``kombu.transport`` to be imported (by anyone) and adds the alias then. ``import kombu_pgjobs``
+registers it directly as well.
 """
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
 import sys
-from types import ModuleType
-from typing import Any
 
 ALIAS = "pgjobs"
 TARGET = "kombu_pgjobs.transport:Transport"
 
 
-def register(module: ModuleType | None = None) -> None:
+def register(module: object = None) -> None:
     aliases = getattr(module or sys.modules.get("kombu.transport"), "TRANSPORT_ALIASES", None)
     if isinstance(aliases, dict):
         aliases.setdefault(ALIAS, TARGET)
 
 
-class _Finder(importlib.abc.MetaPathFinder):
-    """Wraps the loader of ``kombu.transport`` to register the alias right after it runs."""
+class _RegisteringLoader:
+    """Runs the real loader, then registers the alias on the fresh module."""
 
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+    def __init__(self, inner: object) -> None:
+        self.inner = inner
+
+    def create_module(self, spec: object) -> object:
+        return self.inner.create_module(spec)  # type: ignore[attr-defined]
+
+    def exec_module(self, module: object) -> None:
+        self.inner.exec_module(module)  # type: ignore[attr-defined]
+        register(module)
+
+
+class _Finder:
+    """A meta-path finder that only wraps the loader of ``kombu.transport``."""
+
+    def find_spec(self, fullname: str, path: object, target: object = None) -> object:
         if fullname != "kombu.transport":
             return None
         for finder in sys.meta_path:
@@ -35,18 +46,7 @@ class _Finder(importlib.abc.MetaPathFinder):
                 continue
             spec = finder.find_spec(fullname, path, target)
             if spec is not None and spec.loader is not None:
-                loader = spec.loader
-                exec_module = loader.exec_module  # type: ignore[attr-defined]
-
-                class _Loader(importlib.abc.Loader):
-                    def create_module(self, spec: Any) -> Any:
-                        return loader.create_module(spec)
-
-                    def exec_module(self, module: ModuleType) -> None:
-                        exec_module(module)
-                        register(module)
-
-                spec.loader = _Loader()
+                spec.loader = _RegisteringLoader(spec.loader)
                 return spec
         return None
 

@@ -29,10 +29,10 @@ from .core import NewJob, Pair, QueueCore
 from .database import connect
 from .events import EVENTS
 from .options import TransportOptions
-from .schema import latest_version, migrate
 from .schema import current_version as schema_version
+from .schema import latest_version, migrate
 
-__all__ = ["Backend", "backend_for"]
+__all__ = ["Backend", "backend_for", "release_all"]
 
 log = logging.getLogger("kombu_pgjobs")
 
@@ -56,6 +56,15 @@ def backend_for(conninfo: str, options: TransportOptions) -> Backend:
             b = Backend(conninfo, options)
             _backends[key] = b
         return b
+
+
+def release_all() -> None:
+    """Close every backend of this process (its connections and keeper thread)."""
+    with _backends_lock:
+        backends = list(_backends.values())
+        _backends.clear()
+    for b in backends:
+        b.close()
 
 
 def _forget_after_fork() -> None:
@@ -136,6 +145,9 @@ class Backend:
         if first:
             for wake in self._ack_listeners:
                 wake()
+            keeper = self._keeper
+            if keeper is not None:
+                keeper.ack_event.set()
 
     def add_ack_listener(self, wake: Callable[[], None]) -> None:
         self._ack_listeners.append(wake)
@@ -204,6 +216,21 @@ class Backend:
         if delta > 0:
             self.keeper()
 
+    def close(self) -> None:
+        """Flush acks, stop the keeper and close the shared connections."""
+        with self._keeper_lock:
+            keeper, self._keeper = self._keeper, None
+        if keeper is not None:
+            keeper.stop()
+        with self._publish_lock:
+            conn, self._publish_conn = self._publish_conn, None
+        if conn is not None and not conn.closed:
+            try:
+                self.flush_acks(conn)
+            except psycopg.Error as exc:
+                log.warning("pgjobs.ack.flush_failed %s", exc, extra={"action": "close"})
+            conn.close()
+
     def keeper(self) -> Keeper:
         with self._keeper_lock:
             if self._keeper is None or not self._keeper.is_alive():
@@ -217,21 +244,39 @@ class Keeper(threading.Thread):
 
     It runs in the process that holds the leases, on its own connection, so a CPU-bound task in
     a prefork child cannot starve renewal, and a busy consumer thread cannot either. One tick
-    every lease_ttl/3: an idle worker sends 3-4 statements per tick window at most.
+    every lease_ttl/3, one statement (plus a renewal when it holds leases).
     """
 
     def __init__(self, backend: Backend) -> None:
         super().__init__(name="pgjobs-keeper", daemon=True)
         self.backend = backend
         self.stop_event = threading.Event()
+        self.ack_event = threading.Event()
         self._conn: psycopg.Connection[Any] | None = None
 
     def run(self) -> None:
         b = self.backend
         interval = b.options.tick_interval
-        while not self.stop_event.wait(interval):
+        # Acks are normally folded into the consumer's next claim or flushed by it within
+        # ack_flush_interval; the keeper flushes them only if nobody did (a kombu user who
+        # acked and stopped draining), a little later so the two rarely race.
+        ack_grace = max(0.05, 10 * b.options.ack_flush_interval)
+        next_tick = time.monotonic() + interval
+        while not self.stop_event.is_set():
+            self.ack_event.wait(max(0.0, next_tick - time.monotonic()))
+            if self.stop_event.is_set():
+                break
             try:
-                self.tick()
+                if self.ack_event.is_set():
+                    self.ack_event.clear()
+                    if self.stop_event.wait(ack_grace):
+                        break
+                    age = b.oldest_ack_age()
+                    if age is not None and age >= ack_grace:
+                        b.flush_acks(self.connection())
+                if time.monotonic() >= next_tick:
+                    next_tick = time.monotonic() + interval
+                    self.tick()
             except psycopg.Error as exc:
                 log.warning("pgjobs.keeper.error %s", exc, extra={"action": "keeper"})
                 if self._conn is not None:
@@ -239,17 +284,24 @@ class Keeper(threading.Thread):
                     self._conn = None
             except Exception:  # pragma: no cover - never let the keeper die silently
                 log.exception("pgjobs.keeper.crash")
+        if self._conn is not None:
+            self._conn.close()
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        self.ack_event.set()
+        if self is not threading.current_thread():
+            self.join(5)
+
+    def connection(self) -> psycopg.Connection[Any]:
+        if self._conn is None or self._conn.closed:
+            self._conn = self.backend.connect()
+        return self._conn
 
     def tick(self) -> None:
         b = self.backend
-        if self._conn is None or self._conn.closed:
-            self._conn = b.connect()
-        conn = self._conn
+        conn = self.connection()
         core = b.core
-        # Acks nobody flushed (e.g. a kombu user that acked and stopped draining).
-        age = b.oldest_ack_age()
-        if age is not None and age > b.options.ack_flush_interval:
-            b.flush_acks(conn)
         held = b.held_pairs()
         if held:
             alive = core.renew(conn, held)

@@ -25,8 +25,8 @@ from .sql import queries
 
 __all__ = [
     "MAX_ATTEMPTS_HEADER",
-    "Claimed",
     "ClaimResult",
+    "Claimed",
     "JobId",
     "NewJob",
     "QueueCore",

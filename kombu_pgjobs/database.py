@@ -17,7 +17,7 @@ from psycopg.conninfo import make_conninfo
 from .errors import DatabaseUnavailable, EmbeddedServerError, InvalidURL
 from .options import TransportOptions
 
-__all__ = ["DEFAULT_EMBEDDED_DB", "conninfo_from_parts", "conninfo_from_url", "connect"]
+__all__ = ["DEFAULT_EMBEDDED_DB", "connect", "conninfo_from_parts", "conninfo_from_url"]
 
 log = logging.getLogger("kombu_pgjobs")
 

@@ -37,7 +37,6 @@ import json
 import logging
 import os
 import select
-import socket
 import threading
 import time
 from collections.abc import Iterable
@@ -46,6 +45,7 @@ from typing import Any
 
 import psycopg
 from kombu.transport import virtual
+from kombu.transport.base import to_rabbitmq_queue_arguments
 from kombu.utils.objects import cached_property
 from psycopg import sql
 
@@ -182,6 +182,10 @@ class Channel(virtual.Channel):
             self._tables.pop(exchange, None)
 
     # -- queues --------------------------------------------------------------------------
+    def prepare_queue_arguments(self, arguments: Any, **kwargs: Any) -> dict[str, Any]:
+        """kombu's ``expires``/``message_ttl``/``max_priority`` become RabbitMQ arguments."""
+        return to_rabbitmq_queue_arguments(arguments, **kwargs)
+
     def _new_queue(self, queue: str, **kwargs: Any) -> None:
         args = kwargs.get("arguments") or {}
 
@@ -369,8 +373,8 @@ class Transport(virtual.Transport):
         message: dict[str, Any] = json.loads(row.message)
         props = message.setdefault("properties", {})
         props["delivery_tag"] = make_tag(row.id, row.claim)
-        if row.claim > 1:
-            message["redelivered"] = True
+        if row.claim > 1:  # where kombu and Celery look for it
+            props.setdefault("delivery_info", {})["redelivered"] = True
         return message
 
     def claim_for(self, channel: Channel, queues: list[str], n: int) -> list[Claimed]:
@@ -464,7 +468,7 @@ class Transport(virtual.Transport):
                 return
             now = time.monotonic()
             if deadline is not None and now >= deadline:
-                raise socket.timeout()
+                raise TimeoutError()
             wait = self._next_poll - now
             if self._due_at is not None:
                 wait = min(wait, self._due_at - now)

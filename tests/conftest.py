@@ -20,6 +20,8 @@ from typing import Any
 import psycopg
 import pytest
 
+from kombu_pgjobs.backend import release_all
+
 DSN = os.environ.get("PGJOBS_TEST_DSN", "postgresql://postgres@127.0.0.1:5432/test")
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -57,6 +59,7 @@ def schema(dsn: str) -> Iterator[str]:
     """A fresh schema for one test, dropped afterwards."""
     name = f"pgjt_{uuid.uuid4().hex[:12]}"
     yield name
+    release_all()  # this process's pgjobs connections and keeper threads
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import socket
 import sys
-import threading
 from collections.abc import Iterator
 from contextlib import closing
 from time import sleep
@@ -37,39 +36,6 @@ DEAD_URL = "pgjobs://postgres@127.0.0.1:1/test"
 
 
 # -- fixtures -------------------------------------------------------------------------------------
-def _release_backends(schema: str) -> None:
-    """Stop the per-process pgjobs backend(s) of ``schema``: its keeper thread and connections.
-
-    A backend lives for the life of the process (one per database and schema) and has no close;
-    with a fresh schema per test, a long test session would otherwise hold two idle server
-    connections per test and run into max_connections.
-    """
-    from kombu_pgjobs import backend as backend_mod
-
-    with backend_mod._backends_lock:
-        doomed = [(k, b) for k, b in backend_mod._backends.items() if b.options.schema == schema]
-        for key, _ in doomed:
-            del backend_mod._backends[key]
-    for _, b in doomed:
-        keeper = b._keeper
-        if keeper is not None:
-            keeper.stop_event.set()
-            if keeper is not threading.current_thread():
-                keeper.join(10)
-            if keeper._conn is not None:
-                keeper._conn.close()
-        with b._publish_lock:
-            if b._publish_conn is not None:
-                b._publish_conn.close()
-                b._publish_conn = None
-
-
-@pytest.fixture(autouse=True)
-def _pgjobs_backends(schema: str) -> Iterator[None]:
-    yield
-    _release_backends(schema)
-
-
 @pytest.fixture
 def connection(url: str, schema: str) -> Iterator[kombu.Connection]:
     conn = kombu.Connection(url, transport_options={"schema": schema})

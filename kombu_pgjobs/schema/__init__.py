@@ -65,7 +65,8 @@ def migrate(conn: psycopg.Connection, schema: str) -> list[int]:
     applied: list[int] = []
     try:
         with conn.transaction():
-            conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"pgjobs.migrate.{schema}",))
+            conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))",
+                         (f"pgjobs.migrate.{schema}",))
             conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(ident))
             conn.execute(sql.SQL(
                 "CREATE TABLE IF NOT EXISTS {}.pgjobs_migration ("

@@ -212,5 +212,8 @@ WITH gone AS (
 SELECT count(*) FROM gone;
 
 -- name: job_size :one
--- Ready messages in a queue (what kombu and Celery call the queue's size).
-SELECT count(*) FROM {schema}.pgjobs_job WHERE queue = %(queue)s AND state = 'ready';
+-- Deliverable messages in a queue (what kombu and Celery call the queue's size): ready, due and
+-- not expired. Delayed (ETA) messages are not counted, as on RabbitMQ where they wait unacked.
+SELECT count(*) FROM {schema}.pgjobs_job
+ WHERE queue = %(queue)s AND state = 'ready' AND run_at <= now()
+   AND (expires_at IS NULL OR expires_at > now());

@@ -1,0 +1,103 @@
+"""A counting TCP proxy for the PostgreSQL wire protocol.
+
+It relays bytes both ways and counts the statements a client sends (simple-protocol 'Q' and
+extended-protocol 'E' messages), so a test can state exactly how many statements a worker sent,
+independent of other databases' traffic, autovacuum or statistics flush delays.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+from typing import Any
+
+_UNTYPED_REQUESTS = {80877103, 80877104}  # SSLRequest, GSSENCRequest
+
+
+class WireCounter:
+    def __init__(self, upstream_host: str = "127.0.0.1", upstream_port: int = 5432) -> None:
+        self.upstream = (upstream_host, upstream_port)
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.port = self.server.getsockname()[1]
+        self.statements = 0
+        self.lock = threading.Lock()
+        self._closing = False
+        self._socks: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._closing:
+            try:
+                client, _ = self.server.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(self.upstream)
+            self._socks += [client, upstream]
+            threading.Thread(target=self._client_to_server, args=(client, upstream),
+                             daemon=True).start()
+            threading.Thread(target=self._relay, args=(upstream, client), daemon=True).start()
+
+    @staticmethod
+    def _recv_exact(sock: socket.socket, n: int) -> bytes:
+        buf = b""
+        while len(buf) < n:
+            chunk = sock.recv(n - len(buf))
+            if not chunk:
+                raise ConnectionError
+            buf += chunk
+        return buf
+
+    def _client_to_server(self, src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while True:  # untyped start-up phase
+                head = self._recv_exact(src, 8)
+                length, code = struct.unpack("!ii", head)
+                body = self._recv_exact(src, length - 8)
+                dst.sendall(head + body)
+                if code not in _UNTYPED_REQUESTS:
+                    break
+            while True:
+                head = self._recv_exact(src, 5)
+                kind = head[:1]
+                (length,) = struct.unpack("!i", head[1:])
+                body = self._recv_exact(src, length - 4)
+                if kind in (b"Q", b"E"):
+                    with self.lock:
+                        self.statements += 1
+                dst.sendall(head + body)
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            self._close(src, dst)
+
+    def _relay(self, src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while chunk := src.recv(65536):
+                dst.sendall(chunk)
+        except OSError:
+            pass
+        finally:
+            self._close(src, dst)
+
+    @staticmethod
+    def _close(*socks: socket.socket) -> None:
+        for s in socks:
+            try:
+                s.close()
+            except OSError:
+                pass
+
+    def count(self) -> int:
+        with self.lock:
+            return self.statements
+
+    def close(self) -> None:
+        self._closing = True
+        self._close(self.server, *self._socks)
+
+    def __enter__(self) -> WireCounter:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
