@@ -80,9 +80,9 @@ class Backend:
         self.pid = os.getpid()
         self.conninfo = conninfo
         self.options = options
-        self.core = QueueCore(options.schema, lease_ttl=options.lease_ttl,
-                              max_attempts=options.max_attempts)
         self.worker = f"{socket.gethostname()}:{self.pid}"
+        self.core = QueueCore(options.schema, lease_ttl=options.lease_ttl,
+                              max_attempts=options.max_attempts, worker=self.worker)
         self._migrated = False
         self._migrate_lock = threading.Lock()
         self._publish_conn: psycopg.Connection[Any] | None = None
@@ -313,7 +313,7 @@ class Keeper(threading.Thread):
                             del b.held[i]
                 for i, c in lost:
                     _log_event("pgjobs.lease.lost", job_id=i, fence=c)
-        outcomes = core.maintain(conn, consumed=list(b.consumed),
+        outcomes = core.maintain(conn, consumed=list(b.consumed), held=len(b.held),
                                  grace=3 * b.options.tick_interval)
         for outcome, job_id, queue in outcomes:
             if outcome == "buried":

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
+import socket
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -138,8 +140,11 @@ def _pairs(pairs: Iterable[Pair]) -> tuple[list[int], list[int]]:
 class QueueCore:
     """Statements on the job tables of one schema."""
 
-    def __init__(self, schema: str, *, lease_ttl: float, max_attempts: int) -> None:
+    def __init__(self, schema: str, *, lease_ttl: float, max_attempts: int,
+                 worker: str = "") -> None:
         self.schema = validate_schema_name(schema)
+        #: this process (host:pid): the lease holder's name and its counter shard
+        self.worker = worker or f"{socket.gethostname()}:{os.getpid()}"
         self.lease_ttl = lease_ttl
         self.max_attempts = max_attempts
         self.channel = f"pgjobs.{schema}"
@@ -178,13 +183,13 @@ class QueueCore:
         })
 
     # -- claim and settle ----------------------------------------------------------------
-    def claim(self, conn: psycopg.Connection, queues: Sequence[str], n: int, worker: str,
+    def claim(self, conn: psycopg.Connection, queues: Sequence[str], n: int,
               acks: Sequence[Pair] = ()) -> ClaimResult:
         """Flush fenced acks and claim up to ``n`` due messages, in one round trip."""
         ack_ids, ack_claims = _pairs(acks)
         rows = conn.execute(self.q["job_claim"], {
             "ack_ids": ack_ids, "ack_claims": ack_claims, "queues": list(queues), "n": n,
-            "ttl": self.lease_ttl, "worker": worker,
+            "ttl": self.lease_ttl, "worker": self.worker,
         }).fetchall()
         claimed: list[Claimed] = []
         acked: set[int] = set()
@@ -204,22 +209,30 @@ class QueueCore:
         """Fenced delete of acked messages; returns the ids that were still held."""
         ids, claims = _pairs(pairs)
         return {r[0] for r in conn.execute(
-            self.q["job_ack"], {"ids": ids, "claims": claims}).fetchall()}
+            self.q["job_ack"], {"ids": ids, "claims": claims, "worker": self.worker}).fetchall()}
 
     def requeue(self, conn: psycopg.Connection, pairs: Sequence[Pair], *,
                 uncount: bool) -> set[int]:
-        """Fenced return to ready; ``uncount`` when the message never started."""
+        """Fenced return to ready; ``uncount`` when the message never started. A message on
+        its final attempt is dead-lettered instead, a cancelled one deleted. Returns the ids
+        that were still held (whatever became of them)."""
         ids, claims = _pairs(pairs)
-        return {r[0] for r in conn.execute(self.q["job_requeue"], {
+        rows = conn.execute(self.q["job_requeue"], {
             "ids": ids, "claims": claims, "uncount": uncount, "channel": self.channel,
-        }).fetchall()}
+            "max_attempts": self.max_attempts, "worker": self.worker,
+        }).fetchall()
+        for job_id, outcome, _ in rows:
+            if outcome == "dead":
+                log.warning("pgjobs.claim.buried [PGJ-203] requeued on its final attempt",
+                            extra={"action": "pgjobs.claim.buried", "job_id": job_id})
+        return {r[0] for r in rows}
 
     def bury(self, conn: psycopg.Connection, pairs: Sequence[Pair], *, reason: str,
              error: Mapping[str, Any] | None = None) -> set[int]:
         """Fenced move to the dead-letter table with a reason (and error, if known)."""
         ids, claims = _pairs(pairs)
         return {r[0] for r in conn.execute(self.q["job_bury"], {
-            "ids": ids, "claims": claims, "reason": reason,
+            "ids": ids, "claims": claims, "reason": reason, "worker": self.worker,
             "error": Jsonb(dict(error)) if error else None,
         }).fetchall()}
 
@@ -230,12 +243,12 @@ class QueueCore:
             "ids": ids, "claims": claims, "ttl": self.lease_ttl}).fetchall()}
 
     def maintain(self, conn: psycopg.Connection, *, consumed: Sequence[str], grace: float,
-                 limit: int = 1000) -> list[tuple[str, int | None, str]]:
+                 held: int = 0, limit: int = 1000) -> list[tuple[str, int | None, str]]:
         """The keeper's tick: rescue or bury lapsed leases, drop expired messages and queues,
         mark consumed queues in use. Returns [(outcome, id, queue)]."""
         rows = conn.execute(self.q["job_maintain"], {
             "limit": limit, "max_attempts": self.max_attempts, "channel": self.channel,
-            "consumed": list(consumed), "grace": grace,
+            "consumed": list(consumed), "grace": grace, "worker": self.worker, "held": held,
         }).fetchall()
         return [(r[0], r[1], r[2]) for r in rows]
 

@@ -383,7 +383,7 @@ class Transport(virtual.Transport):
             conn = self._claim_conn()
             acks = backend.take_acks()
             try:
-                result = backend.core.claim(conn, queues, n, backend.worker, acks)
+                result = backend.core.claim(conn, queues, n, acks)
             except BaseException:
                 backend.restore_acks(acks)
                 if conn.closed or conn.broken:

@@ -42,7 +42,13 @@ WITH acked AS (
     DELETE FROM {schema}.pgjobs_job AS j
      USING unnest(%(ack_ids)s::bigint[], %(ack_claims)s::int[]) AS a(id, claim)
      WHERE j.id = a.id AND j.claim = a.claim AND j.state = 'running'
-    RETURNING j.id
+    RETURNING j.id, j.queue
+), acked_count AS (
+    -- The settle counter moves in the statement that settles (one shard per process).
+    INSERT INTO {schema}.pgjobs_counter AS c (queue, outcome, bucket, shard, n)
+    SELECT queue, 'acked', date_trunc('minute', now()), %(worker)s, count(*)
+      FROM acked GROUP BY queue
+    ON CONFLICT (queue, outcome, bucket, shard) DO UPDATE SET n = c.n + excluded.n
 ), candidates AS (
     -- Per queue (so each queue's index order is used), the best due rows nobody holds.
     SELECT c.id, c.priority, c.run_at
@@ -87,26 +93,73 @@ SELECT 'n', NULL, NULL, NULL, NULL,
 
 -- name: job_ack :many
 -- Fenced ack of buffered (id, claim) pairs when no claim follows soon. Returns the ids it hit.
-DELETE FROM {schema}.pgjobs_job AS j
- USING unnest(%(ids)s::bigint[], %(claims)s::int[]) AS a(id, claim)
- WHERE j.id = a.id AND j.claim = a.claim AND j.state = 'running'
-RETURNING j.id;
+WITH acked AS (
+    DELETE FROM {schema}.pgjobs_job AS j
+     USING unnest(%(ids)s::bigint[], %(claims)s::int[]) AS a(id, claim)
+     WHERE j.id = a.id AND j.claim = a.claim AND j.state = 'running'
+    RETURNING j.id, j.queue
+), acked_count AS (
+    INSERT INTO {schema}.pgjobs_counter AS c (queue, outcome, bucket, shard, n)
+    SELECT queue, 'acked', date_trunc('minute', now()), %(worker)s, count(*)
+      FROM acked GROUP BY queue
+    ON CONFLICT (queue, outcome, bucket, shard) DO UPDATE SET n = c.n + excluded.n
+)
+SELECT id FROM acked;
 
 -- name: job_requeue :many
 -- Fenced requeue (basic_reject requeue=True, warm-shutdown restore). When %(uncount)s, the
--- delivery does not count as an attempt (the message never started). NOTIFY wakes consumers.
-WITH back AS (
+-- delivery does not count as an attempt (the message never started). A message on its final
+-- attempt is dead-lettered instead (reason max_attempts), and a cancelled one is deleted, so a
+-- task that requeues itself forever, or a cancelled one, cannot come back. NOTIFY wakes
+-- consumers. Returns (id, outcome).
+WITH held AS (
+    SELECT j.id,
+           CASE WHEN j.cancelled_at IS NOT NULL THEN 'cancelled'
+                WHEN NOT %(uncount)s
+                     AND j.attempts >= coalesce(j.max_attempts, %(max_attempts)s) THEN 'dead'
+                ELSE 'requeued' END AS outcome
+      FROM {schema}.pgjobs_job AS j
+      JOIN unnest(%(ids)s::bigint[], %(claims)s::int[]) AS a(id, claim)
+        ON j.id = a.id AND j.claim = a.claim
+     WHERE j.state = 'running'
+       FOR UPDATE OF j
+), back AS (
     UPDATE {schema}.pgjobs_job AS j
        SET state = 'ready',
            attempts = CASE WHEN %(uncount)s THEN greatest(j.attempts - 1, 0) ELSE j.attempts END,
            lease_expires_at = NULL,
            worker = NULL,
            run_at = now()
-      FROM unnest(%(ids)s::bigint[], %(claims)s::int[]) AS a(id, claim)
-     WHERE j.id = a.id AND j.claim = a.claim AND j.state = 'running'
+      FROM held
+     WHERE j.id = held.id AND held.outcome = 'requeued'
     RETURNING j.id, j.queue
+), removed AS (
+    DELETE FROM {schema}.pgjobs_job AS j
+     USING held
+     WHERE j.id = held.id AND held.outcome <> 'requeued'
+    RETURNING j.*, held.outcome
+), dead AS (
+    INSERT INTO {schema}.pgjobs_dead_letter
+           (id, queue, priority, task, claim, attempts, max_attempts, reason, error,
+            created_at, message)
+    SELECT id, queue, priority, task, claim, attempts, max_attempts, 'max_attempts',
+           jsonb_build_object('type', 'MaxAttemptsExceeded',
+                              'message', 'requeued on its final attempt'),
+           created_at, message
+      FROM removed WHERE outcome = 'dead'
+), settled AS (
+    SELECT id, queue, 'requeued' AS outcome FROM back
+    UNION ALL
+    SELECT id, queue, outcome FROM removed
+), counted AS (
+    INSERT INTO {schema}.pgjobs_counter AS c (queue, outcome, bucket, shard, n)
+    SELECT queue, outcome, date_trunc('minute', now()), %(worker)s, count(*)
+      FROM settled GROUP BY queue, outcome
+    ON CONFLICT (queue, outcome, bucket, shard) DO UPDATE SET n = c.n + excluded.n
 )
-SELECT back.id, pg_notify(%(channel)s, back.queue) IS NULL FROM back;
+SELECT id, outcome,
+       CASE WHEN outcome = 'requeued' THEN pg_notify(%(channel)s, queue) IS NULL END
+  FROM settled;
 
 -- name: job_bury :many
 -- Fenced dead-lettering (basic_reject requeue=False): the row moves to pgjobs_dead_letter with
@@ -116,6 +169,11 @@ WITH dead AS (
      USING unnest(%(ids)s::bigint[], %(claims)s::int[]) AS a(id, claim)
      WHERE j.id = a.id AND j.claim = a.claim AND j.state = 'running'
     RETURNING j.*
+), counted AS (
+    INSERT INTO {schema}.pgjobs_counter AS c (queue, outcome, bucket, shard, n)
+    SELECT queue, 'dead', date_trunc('minute', now()), %(worker)s, count(*)
+      FROM dead GROUP BY queue
+    ON CONFLICT (queue, outcome, bucket, shard) DO UPDATE SET n = c.n + excluded.n
 )
 INSERT INTO {schema}.pgjobs_dead_letter
        (id, queue, priority, task, claim, attempts, max_attempts, reason, error, created_at,
@@ -140,7 +198,8 @@ RETURNING j.id;
 --  * lapsed leases: a row with attempts left goes back to ready (and wakes its consumers); a
 --    row on its final attempt is buried as dead, never handed out again;
 --  * expired ready messages (x-message-ttl, per-message expiration) are dropped;
---  * queues this process consumes are marked in use (x-expires);
+--  * queues this process consumes are marked in use (x-expires), and the process is recorded
+--    as a live consumer (pgjobs_consumer; rows unseen for 3 ticks are dropped);
 --  * queues unused past their x-expires (at least %(grace)s seconds, so a live consumer's touch
 --    always lands first) are dropped with their bindings and ready messages.
 -- Each step is bounded by %(limit)s rows. Returns (outcome, id, queue) rows for logging.
@@ -152,9 +211,12 @@ WITH lapsed AS (
      LIMIT %(limit)s
        FOR UPDATE SKIP LOCKED
 ), buried AS (
+    -- Final attempt, or cancelled by an operator: it does not come back.
     DELETE FROM {schema}.pgjobs_job AS j
      USING lapsed
-     WHERE j.id = lapsed.id AND j.attempts >= coalesce(j.max_attempts, %(max_attempts)s)
+     WHERE j.id = lapsed.id
+       AND (j.attempts >= coalesce(j.max_attempts, %(max_attempts)s)
+            OR j.cancelled_at IS NOT NULL)
     RETURNING j.*
 ), dead AS (
     INSERT INTO {schema}.pgjobs_dead_letter
@@ -167,12 +229,14 @@ WITH lapsed AS (
                                          || coalesce(worker, '?') || ')'),
            created_at, message
       FROM buried
+     WHERE cancelled_at IS NULL
     RETURNING id, queue
 ), requeued AS (
     UPDATE {schema}.pgjobs_job AS j
        SET state = 'ready', lease_expires_at = NULL, worker = NULL
       FROM lapsed
      WHERE j.id = lapsed.id AND j.attempts < coalesce(j.max_attempts, %(max_attempts)s)
+       AND j.cancelled_at IS NULL
     RETURNING j.id, j.queue
 ), expired AS (
     DELETE FROM {schema}.pgjobs_job
@@ -194,6 +258,26 @@ WITH lapsed AS (
     DELETE FROM {schema}.pgjobs_binding WHERE queue IN (SELECT name FROM gone)
 ), gone_jobs AS (
     DELETE FROM {schema}.pgjobs_job WHERE queue IN (SELECT name FROM gone) AND state = 'ready'
+), seen AS (
+    INSERT INTO {schema}.pgjobs_consumer AS c (worker, queues, held)
+    SELECT %(worker)s, %(consumed)s::text[], %(held)s
+     WHERE cardinality(%(consumed)s::text[]) > 0
+    ON CONFLICT (worker) DO UPDATE
+       SET queues = excluded.queues, held = excluded.held, last_seen_at = now()
+), unseen AS (
+    DELETE FROM {schema}.pgjobs_consumer
+     WHERE last_seen_at < now() - make_interval(secs => %(grace)s)
+       AND worker <> %(worker)s
+), settled AS (
+    SELECT queue, 'rescued' AS outcome FROM requeued
+    UNION ALL SELECT queue, 'dead' FROM dead
+    UNION ALL SELECT queue, 'expired' FROM expired
+    UNION ALL SELECT queue, 'cancelled' FROM buried WHERE cancelled_at IS NOT NULL
+), counted AS (
+    INSERT INTO {schema}.pgjobs_counter AS c (queue, outcome, bucket, shard, n)
+    SELECT queue, outcome, date_trunc('minute', now()), %(worker)s, count(*)
+      FROM settled GROUP BY queue, outcome
+    ON CONFLICT (queue, outcome, bucket, shard) DO UPDATE SET n = c.n + excluded.n
 )
 SELECT 'requeued' AS outcome, id, queue, pg_notify(%(channel)s, queue) IS NULL AS _
   FROM requeued
