@@ -1,15 +1,22 @@
 """kombu-pgjobs: a Celery-compatible kombu transport on PostgreSQL.
 
 ``broker_url = "pgjobs://user@host/db"`` selects it; importing this package (or the ``.pth``
-hook installed with it) registers the ``pgjobs`` scheme with kombu. The package itself stays
-light: the ``.pth`` hook imports it at every interpreter start.
+hook installed with it) registers the ``pgjobs`` scheme with kombu. The ``.pth`` hook imports
+this package at every interpreter start, so everything else is imported lazily.
 """
 
 from __future__ import annotations
 
 from . import _alias
 
-__all__ = ["__version__"]
+__all__ = ["__version__", "batch"]
 __version__ = "0.1.0"
 
 _alias.register()
+
+
+def __getattr__(name: str) -> object:
+    if name == "batch":
+        from .batching import batch
+        return batch
+    raise AttributeError(name)

@@ -25,6 +25,7 @@ from typing import Any
 
 import psycopg
 
+from .batching import pending
 from .core import NewJob, Pair, QueueCore
 from .database import connect
 from .events import EVENTS
@@ -134,6 +135,10 @@ class Backend:
                 raise
 
     def publish(self, job: NewJob) -> None:
+        held = pending(self)
+        if held is not None:  # inside kombu_pgjobs.batch(): inserted when the block exits
+            held.append(job)
+            return
         self.publishing(lambda conn: self.core.publish(conn, job))
 
     # -- acks ----------------------------------------------------------------------------

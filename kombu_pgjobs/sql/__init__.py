@@ -29,7 +29,10 @@ def raw_queries() -> dict[str, str]:
         for name, body in zip(parts[1::2], parts[2::2], strict=True):
             if name in found:
                 raise RuntimeError(f"duplicate query name {name}")
-            found[name] = body.strip().rstrip(";")
+            # Comment lines are for readers: they are not sent (and psycopg would read a
+            # %(name)s in a comment as a placeholder).
+            lines = [ln for ln in body.splitlines() if not ln.lstrip().startswith("--")]
+            found[name] = "\n".join(lines).strip().rstrip(";")
     return found
 
 

@@ -11,14 +11,15 @@ SELECT %(queue)s, %(priority)s, coalesce(%(run_at)s, now()),
 
 -- name: job_insert_many :exec
 -- Publish many messages in one statement (the batch path): one row per array element.
+-- Text arrays are sent in binary (%(x)b): no per-element quoting of JSON on the client.
 INSERT INTO {schema}.pgjobs_job
        (queue, priority, run_at, expires_at, max_attempts, task, message)
 SELECT m.queue, m.priority, coalesce(m.run_at, now()),
        now() + make_interval(secs => coalesce(m.ttl_ms, q.message_ttl_ms) / 1000.0),
        m.max_attempts, m.task, m.message
-  FROM unnest(%(queue)s::text[], %(priority)s::smallint[], %(run_at)s::timestamptz[],
-              %(ttl_ms)s::float8[], %(max_attempts)s::int[], %(task)s::text[],
-              %(message)s::json[])
+  FROM unnest(%(queue)b::text[], %(priority)s::smallint[], %(run_at)s::timestamptz[],
+              %(ttl_ms)s::float8[], %(max_attempts)s::int[], %(task)b::text[],
+              %(message)b::text[]::json[])
        AS m(queue, priority, run_at, ttl_ms, max_attempts, task, message)
   LEFT JOIN {schema}.pgjobs_queue AS q ON q.name = m.queue;
 
