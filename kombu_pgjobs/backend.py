@@ -101,7 +101,8 @@ class Backend:
 
     # -- connections ---------------------------------------------------------------------
     def connect(self) -> psycopg.Connection[Any]:
-        conn = connect(self.conninfo)
+        # Poll-only mode is for PgBouncer in transaction pooling: no prepared statements there.
+        conn = connect(self.conninfo, prepare=self.options.use_listen_notify)
         self.ensure_schema(conn)
         return conn
 

@@ -78,9 +78,18 @@ def conninfo_from_url(url: str, options: TransportOptions) -> str:
         dbname=unquote(parts.path.lstrip("/")) or None, options=options)
 
 
-def connect(conninfo: str, *, autocommit: bool = True) -> psycopg.Connection[Any]:
-    """Open a connection; raise DatabaseUnavailable (a kombu connection error) on failure."""
+def connect(conninfo: str, *, autocommit: bool = True,
+            prepare: bool = True) -> psycopg.Connection[Any]:
+    """Open a connection; raise DatabaseUnavailable (a kombu connection error) on failure.
+
+    Hot statements are prepared on first use and always run their generic plan: planning the
+    claim statement costs more than executing it. ``prepare=False`` for PgBouncer in
+    transaction pooling, where a prepared statement may not exist on the next server.
+    """
     try:
-        return psycopg.connect(conninfo, autocommit=autocommit)
+        if not prepare:
+            return psycopg.connect(conninfo, autocommit=autocommit, prepare_threshold=None)
+        return psycopg.connect(conninfo, autocommit=autocommit, prepare_threshold=0,
+                               options="-c plan_cache_mode=force_generic_plan")
     except psycopg.OperationalError as exc:
         raise DatabaseUnavailable(f"cannot connect to PostgreSQL: {exc}".strip()) from exc
