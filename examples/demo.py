@@ -31,7 +31,8 @@ def main() -> int:
     deadline = time.monotonic() + 120
     try:
         for line in worker.stdout:
-            if "pgjobs" in line and ("embedded" in line or "data" in line):
+            if ("pgjobs" in line and ("embedded" in line or "data" in line)) \
+                    or "ERROR" in line or "Traceback" in line:
                 print("worker:", line.strip(), flush=True)
             if " ready." in line:
                 print("worker ready; publishing", N, "tasks", flush=True)

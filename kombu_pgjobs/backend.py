@@ -28,6 +28,7 @@ import psycopg
 from .batching import pending
 from .core import NewJob, Pair, QueueCore
 from .database import connect
+from .errors import MigrationError, PgJobsError
 from .events import EVENTS
 from .options import TransportOptions
 from .schema import current_version as schema_version
@@ -115,7 +116,6 @@ class Backend:
                 return
             if schema_version(conn, self.options.schema) < latest_version():
                 if not self.options.auto_migrate:
-                    from .errors import MigrationError
                     raise MigrationError(
                         f"schema {self.options.schema!r} is not installed or is out of date, "
                         "and auto_migrate is off: run `pgjobs migrate`")
@@ -283,7 +283,7 @@ class Keeper(threading.Thread):
                 if time.monotonic() >= next_tick:
                     next_tick = time.monotonic() + interval
                     self.tick()
-            except psycopg.Error as exc:
+            except (psycopg.Error, PgJobsError) as exc:  # unreachable database: retry next tick
                 log.warning("pgjobs.keeper.error %s", exc, extra={"action": "keeper"})
                 if self._conn is not None:
                     self._conn.close()

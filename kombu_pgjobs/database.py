@@ -89,7 +89,9 @@ def connect(conninfo: str, *, autocommit: bool = True,
     try:
         if not prepare:
             return psycopg.connect(conninfo, autocommit=autocommit, prepare_threshold=None)
-        return psycopg.connect(conninfo, autocommit=autocommit, prepare_threshold=0,
-                               options="-c plan_cache_mode=force_generic_plan")
+        conn = psycopg.connect(conninfo, autocommit=autocommit, prepare_threshold=0)
+        # A SET, not a startup option: poolers refuse startup options they do not track.
+        conn.execute("SET plan_cache_mode = force_generic_plan", prepare=False)
+        return conn
     except psycopg.OperationalError as exc:
         raise DatabaseUnavailable(f"cannot connect to PostgreSQL: {exc}".strip()) from exc

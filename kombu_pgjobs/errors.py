@@ -18,16 +18,22 @@ the mistake. ``docs/reference/errors.md`` lists every code (a unit test keeps th
 from __future__ import annotations
 
 __all__ = [
+    "BulkRefused",
     "ConfigurationError",
     "DatabaseUnavailable",
     "EmbeddedServerError",
+    "InvalidArgument",
     "InvalidName",
     "InvalidOption",
+    "InvalidTaskOption",
     "InvalidURL",
     "MessageError",
     "MigrationError",
     "NotFound",
     "PgJobsError",
+    "StateConflict",
+    "UnknownQueue",
+    "UnknownState",
     "all_error_classes",
 ]
 
@@ -88,6 +94,42 @@ class NotFound(PgJobsError):
     """No such message, queue or dead letter."""
 
     code = "PGJ-401"
+
+
+class UnknownState(PgJobsError):
+    """No such message state: use ready, delayed, running or dead."""
+
+    code = "PGJ-402"
+
+
+class UnknownQueue(NotFound):
+    """No such queue: it has no declaration, no messages and no dead letters."""
+
+    code = "PGJ-403"
+
+
+class BulkRefused(PgJobsError):
+    """A bulk operator command was refused: name a queue and keep --limit within its range."""
+
+    code = "PGJ-404"
+
+
+class InvalidArgument(PgJobsError):
+    """An operator command argument is invalid (a duration, timestamp, id or cursor)."""
+
+    code = "PGJ-405"
+
+
+class StateConflict(PgJobsError):
+    """The message is running: wait for it to finish or its lease to lapse, or cancel it."""
+
+    code = "PGJ-406"
+
+
+class InvalidTaskOption(ConfigurationError):
+    """A celery_ext task option is invalid (max_attempts, terminal, retry_after, retryable...)."""
+
+    code = "PGJ-407"
 
 
 class MigrationError(PgJobsError):

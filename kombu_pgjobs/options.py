@@ -60,6 +60,9 @@ OPTIONS: tuple[Option, ...] = (
            "this long)."),
     Option("use_listen_notify", True, bool,
            doc="Wake consumers with LISTEN/NOTIFY. Turn off behind PgBouncer transaction pooling."),
+    Option("event_loop", True, bool,
+           doc="Join Celery's event loop (asynloop, AsynPool for prefork) with fd readers. Off: "
+               "Celery polls drain_events in its synchronous loop."),
     Option("auto_migrate", True, bool,
            doc="Install or upgrade the schema on first connect (under an advisory lock)."),
     Option("max_claim", 100, int, 1, 10_000,
@@ -82,27 +85,27 @@ PASSTHROUGH_OPTIONS = frozenset({
 
 #: Options of other brokers, with what they mean on pgjobs. Accepted with a warning.
 FOREIGN_OPTIONS: dict[str, str] = {
-    "visibility_timeout": "an alias of lease_ttl: pgjobs renews leases while a message is "
-                          "unacked, so long tasks are not re-delivered; the value is used "
-                          "as lease_ttl",
-    "fanout_prefix": "not needed: fanout bindings live in Postgres and are scoped by schema",
-    "fanout_patterns": "not needed: a fanout exchange delivers to every bound queue, as on "
-                       "RabbitMQ",
-    "unacked_restore_interval": "not needed: lapsed leases are rescued every lease_ttl/3",
-    "unacked_mutex_expire": "not needed: there is no unacked index to lock",
-    "priority_steps": "not needed: priorities 0-9 are exact, higher runs first (as on RabbitMQ)",
-    "queue_order_strategy": "not needed: priority, then due time, then insertion order",
-    "sep": "not needed: queue names are stored as they are",
-    "global_keyprefix": "use the schema option to separate apps",
-    "max_connections": "not needed: a process holds at most three connections",
-    "socket_timeout": "use connect_timeout",
-    "socket_connect_timeout": "use connect_timeout",
-    "socket_keepalive": "configure keepalives through connect_options",
-    "health_check_interval": "not needed: connections are checked when used",
-    "retry_on_timeout": "not needed",
-    "region": "an SQS option, ignored",
-    "predefined_queues": "an SQS option, ignored",
-    "wait_time_seconds": "an SQS option: pgjobs waits on LISTEN instead",
+    "visibility_timeout": "used as lease_ttl (leases are renewed while a message is unacked, "
+                          "so a long task is not re-delivered; no need to outlast it)",
+    "fanout_prefix": "ignored, not needed: fanout bindings live in Postgres, scoped by schema",
+    "fanout_patterns": "ignored, not needed: a fanout exchange delivers to every bound "
+                       "queue, as on RabbitMQ",
+    "unacked_restore_interval": "ignored, not needed: lapsed leases are rescued every lease_ttl/3",
+    "unacked_mutex_expire": "ignored, not needed: there is no unacked index to lock",
+    "priority_steps": "ignored, not needed: priorities 0-9 are exact, higher first (RabbitMQ's "
+                      "order; Redis ran 0 first)",
+    "queue_order_strategy": "ignored, not needed: priority, then due time, then insertion order",
+    "sep": "ignored, not needed: queue names are stored as they are",
+    "global_keyprefix": "ignored; use the schema option to separate apps",
+    "max_connections": "ignored, not needed: a process holds at most three connections",
+    "socket_timeout": "ignored; use connect_timeout",
+    "socket_connect_timeout": "ignored; use connect_timeout",
+    "socket_keepalive": "ignored; configure keepalives through connect_options",
+    "health_check_interval": "ignored, not needed: connections are checked when used",
+    "retry_on_timeout": "ignored, not needed",
+    "region": "ignored (an SQS option)",
+    "predefined_queues": "ignored (an SQS option)",
+    "wait_time_seconds": "ignored (an SQS option): pgjobs waits on LISTEN instead",
 }
 
 
@@ -157,6 +160,7 @@ class TransportOptions:
     polling_interval: float = 1.0
     idle_poll_interval: float = 60.0
     use_listen_notify: bool = True
+    event_loop: bool = True
     auto_migrate: bool = True
     max_claim: int = 100
     ack_flush_interval: float = 0.005
@@ -177,7 +181,11 @@ class TransportOptions:
         known = {o.name: o for o in OPTIONS}
         values: dict[str, Any] = {}
         if "visibility_timeout" in raw and "lease_ttl" not in raw:
-            raw["lease_ttl"] = raw["visibility_timeout"]
+            try:
+                values["lease_ttl"] = _coerce(known["lease_ttl"], raw["visibility_timeout"])
+            except InvalidOption as exc:
+                raise InvalidOption(exc.message.replace(
+                    "'lease_ttl'", "'visibility_timeout' (an alias of lease_ttl)")) from None
         for key, value in raw.items():
             if key in known:
                 if value is None and known[key].default is None:
@@ -186,11 +194,9 @@ class TransportOptions:
             elif key in PASSTHROUGH_OPTIONS:
                 continue
             elif warn:
-                meaning = FOREIGN_OPTIONS.get(key, "pgjobs does not know this option")
-                warnings.warn(
-                    f"pgjobs: transport option {key!r} is ignored ({meaning})",
-                    UnknownOptionWarning, stacklevel=3,
-                )
+                meaning = FOREIGN_OPTIONS.get(key, "pgjobs does not know this option; ignored")
+                warnings.warn(f"pgjobs: transport option {key!r}: {meaning}",
+                              UnknownOptionWarning, stacklevel=3)
         opts = cls(**values)
         validate_schema_name(opts.schema)
         return opts

@@ -116,6 +116,7 @@ class Channel(virtual.Channel):
     def __init__(self, connection: Transport, **kwargs: Any) -> None:
         super().__init__(connection, **kwargs)
         self._tables: dict[str, tuple[float, list[tuple[str, str, str]], str | None]] = {}
+        self._no_ack_queues: set[str] = set()
 
     @property
     def backend(self) -> Backend:
@@ -235,9 +236,21 @@ class Channel(virtual.Channel):
             raise Empty()
         return self.connection.to_message(rows[0])
 
+    def basic_get(self, queue: str, no_ack: bool = False, **kwargs: Any) -> Any:
+        """Claim exactly one message; with ``no_ack`` it is settled as soon as it is taken."""
+        rows = self.connection.claim_for(self, [queue], 1, no_ack=no_ack)
+        if not rows:
+            return None
+        message = self.Message(self.connection.to_message(rows[0]), channel=self)
+        if not no_ack:
+            self.qos.append(message, message.delivery_tag)
+        return message
+
     def basic_consume(self, queue: str, no_ack: bool, callback: Any, consumer_tag: str,
                       **kwargs: Any) -> Any:
         result = super().basic_consume(queue, no_ack, callback, consumer_tag, **kwargs)
+        if no_ack:  # remote control, event receivers: delivered means settled
+            self._no_ack_queues.add(queue)
         self.backend.consume([queue], +1)
         self.connection.mark_dirty([queue])
         return result
@@ -247,6 +260,7 @@ class Channel(virtual.Channel):
         result = super().basic_cancel(consumer_tag)
         if queue is not None:
             self.backend.consume([queue], -1)
+            self._no_ack_queues.discard(queue)
         return result
 
     def settle(self, pairs: list[tuple[int, int]], *, requeue: bool, uncount: bool) -> None:
@@ -278,7 +292,7 @@ class Transport(virtual.Transport):
     polling_interval = 1.0
 
     implements = virtual.Transport.implements.extend(
-        asynchronous=False,
+        asynchronous=True,
         exchange_type=frozenset(["direct", "topic", "fanout"]),
         heartbeats=False,
     )
@@ -306,6 +320,15 @@ class Transport(virtual.Transport):
         self._next_poll = 0.0
         self._listening = False
         self._registered = False
+        # Celery's event loop (kombu Hub), when the worker runs one: see register_with_event_loop
+        self._hub: Any = None
+        self._hub_fds: list[int] = []
+        self._hub_timer: Any = None
+        self._hub_timer_at = 0.0
+        if not self.options.event_loop:
+            self.implements = virtual.Transport.implements.extend(
+                exchange_type=frozenset(["direct", "topic", "fanout"]), heartbeats=False,
+                asynchronous=False)
 
     def driver_version(self) -> str:
         return psycopg.__version__
@@ -377,7 +400,8 @@ class Transport(virtual.Transport):
             props.setdefault("delivery_info", {})["redelivered"] = True
         return message
 
-    def claim_for(self, channel: Channel, queues: list[str], n: int) -> list[Claimed]:
+    def claim_for(self, channel: Channel, queues: list[str], n: int, *,
+                  no_ack: bool = False) -> list[Claimed]:
         backend = self.backend
         with self._conn_lock:
             conn = self._claim_conn()
@@ -392,7 +416,14 @@ class Transport(virtual.Transport):
         if acks:
             backend.settled(acks, result.acked, "ack")
         if result.claimed:
-            backend.hold([(r.id, r.claim) for r in result.claimed])
+            held = []
+            for r in result.claimed:
+                if no_ack or r.queue in channel._no_ack_queues:
+                    backend.buffer_ack(r.id, r.claim)  # settled once delivered
+                else:
+                    held.append((r.id, r.claim))
+            if held:
+                backend.hold(held)
         if result.drained:
             self._dirty.difference_update(queues)
             if result.due_in is not None:
@@ -445,21 +476,86 @@ class Transport(virtual.Transport):
         if self._listening:
             fds.append(conn.fileno())
         try:
-            ready, _, _ = select.select(fds, [], [], max(timeout, 0.0))
+            select.select(fds, [], [], max(timeout, 0.0))
         except InterruptedError:  # pragma: no cover
             return
-        if self._wake_r in ready:
-            try:
-                while os.read(self._wake_r, 4096):
-                    pass
-            except (BlockingIOError, OSError):
+        self._read_wakeups()
+
+    def _read_wakeups(self) -> None:
+        """Empty the self-pipe and take pending notifications (never blocks)."""
+        try:
+            while os.read(self._wake_r, 4096):
                 pass
-        if self._listening and conn.fileno() in ready:
+        except (BlockingIOError, OSError):
+            pass
+        conn = self._conn
+        if self._listening and conn is not None and not conn.closed:
             with self._conn_lock:
                 pg = conn.pgconn
                 pg.consume_input()
                 while (n := pg.notifies()) is not None:
                     self._dirty.add(n.extra.decode("utf-8", "replace"))
+
+    def _wait_budget(self, now: float) -> float:
+        """Seconds until something is due: a poll, an ETA, an ack flush."""
+        wait = self._next_poll - now
+        if self._due_at is not None:
+            wait = min(wait, self._due_at - now)
+        age = self.backend.oldest_ack_age()
+        if age is not None:
+            wait = min(wait, self.options.ack_flush_interval - age)
+        if self._dirty and any(ch._consumers for ch in self.channels):
+            # Work may be waiting but the window is closed: an ack pokes us; check anyway.
+            wait = min(wait, 1.0)
+        return max(wait, 0.0)
+
+    # -- Celery's event loop (asynloop): readers on the LISTEN socket and the self-pipe ----
+    def register_with_event_loop(self, connection: Any, loop: Any) -> None:
+        self._hub = loop
+        with self._conn_lock:
+            self._claim_conn()
+        self._hub_rearm()
+        loop.call_soon(self._on_hub_event)
+
+    def unregister_from_event_loop(self, connection: Any, loop: Any) -> None:
+        for fd in self._hub_fds:
+            loop.remove_reader(fd)
+        self._hub_fds = []
+        if self._hub_timer is not None:
+            self._hub_timer.cancel()
+            self._hub_timer = None
+        self._hub = None
+
+    def _hub_rearm(self) -> None:
+        """(Re)register readers: the claim connection's socket changes on reconnect."""
+        hub = self._hub
+        fds = [self._wake_r]
+        if self._listening and self._conn is not None:
+            fds.append(self._conn.fileno())
+        if fds != self._hub_fds:
+            for fd in self._hub_fds:
+                hub.remove_reader(fd)
+            for fd in fds:
+                hub.add_reader(fd, self._on_hub_event)
+            self._hub_fds = fds
+
+    def _on_hub_event(self, *args: Any) -> None:
+        hub = self._hub
+        if hub is None:
+            return
+        self._read_wakeups()
+        delivered = self._pump()
+        self._hub_rearm()
+        if delivered:
+            hub.call_soon(self._on_hub_event)  # more may be waiting: keep draining
+            return
+        now = time.monotonic()
+        at = now + self._wait_budget(now)
+        if self._hub_timer is None or at < self._hub_timer_at or self._hub_timer_at <= now:
+            if self._hub_timer is not None:
+                self._hub_timer.cancel()
+            self._hub_timer = hub.call_later(max(at - now, 0.0), self._on_hub_event)
+            self._hub_timer_at = at
 
     def drain_events(self, connection: Any, timeout: float | None = None) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -469,15 +565,7 @@ class Transport(virtual.Transport):
             now = time.monotonic()
             if deadline is not None and now >= deadline:
                 raise TimeoutError()
-            wait = self._next_poll - now
-            if self._due_at is not None:
-                wait = min(wait, self._due_at - now)
-            age = self.backend.oldest_ack_age()
-            if age is not None:
-                wait = min(wait, self.options.ack_flush_interval - age)
+            wait = self._wait_budget(now)
             if deadline is not None:
                 wait = min(wait, deadline - now)
-            if self._dirty and any(ch._consumers for ch in self.channels):
-                # Work may be waiting but the window is closed: wait for an ack, briefly.
-                wait = min(wait, 1.0)
             self._wait(wait)

@@ -407,3 +407,38 @@ def test_drain_events_delivers_the_prefetch_window_in_one_call(connect, db, sche
             for message in got[10:]:
                 message.ack()
     assert _jobs(db, schema) == []
+
+
+def test_no_ack_consumer_settles_what_it_receives(url, schema, db):
+    """Remote control and event receivers consume with no_ack: nothing may stay running."""
+    with kombu.Connection(url, transport_options={"schema": schema}) as conn:
+        queue = kombu.Queue("noack", kombu.Exchange("noack"), "noack")
+        got = []
+        with conn.Consumer(queue, callbacks=[lambda body, m: got.append(body)], no_ack=True):
+            producer = conn.Producer()
+            for i in range(5):
+                producer.publish({"i": i}, exchange=queue.exchange, routing_key="noack",
+                                 declare=[queue])
+            deadline = time.monotonic() + 10
+            while len(got) < 5 and time.monotonic() < deadline:
+                try:
+                    conn.drain_events(timeout=1)
+                except TimeoutError:
+                    pass
+            assert len(got) == 5
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:
+                left = db.execute(f'SELECT count(*) FROM "{schema}".pgjobs_job').fetchone()[0]
+                if left == 0:
+                    break
+                time.sleep(0.05)
+            assert left == 0
+        channel = conn.channel()
+        producer.publish({"i": 9}, exchange=queue.exchange, routing_key="noack")
+        message = channel.basic_get("noack", no_ack=True)
+        assert message is not None
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and db.execute(
+                f'SELECT count(*) FROM "{schema}".pgjobs_job').fetchone()[0]:
+            time.sleep(0.05)
+        assert db.execute(f'SELECT count(*) FROM "{schema}".pgjobs_job').fetchone()[0] == 0

@@ -46,7 +46,7 @@ CREATE TABLE {schema}.pgjobs_job (
     created_at       timestamptz NOT NULL DEFAULT now(),
     message          json NOT NULL                    -- the kombu message, verbatim
 ) WITH (
-    fillfactor = 80,                                  -- room for HOT updates on claim/renew
+    fillfactor = 80,                                  -- room for new row versions on the page
     autovacuum_vacuum_scale_factor = 0.0,             -- vacuum by row count, not table size:
     autovacuum_vacuum_threshold = 5000,               -- a queue table churns constantly
     autovacuum_vacuum_insert_scale_factor = 0.0,

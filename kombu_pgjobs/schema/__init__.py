@@ -79,7 +79,9 @@ def migrate(conn: psycopg.Connection, schema: str) -> list[int]:
             for mg in migrations():
                 if mg.version in done:
                     continue
-                conn.execute(sql.SQL(mg.text).format(schema=ident))  # type: ignore[arg-type]
+                # A multi-statement script: never a prepared statement.
+                conn.execute(sql.SQL(mg.text).format(schema=ident),  # type: ignore[arg-type]
+                             prepare=False)
                 conn.execute(
                     sql.SQL("INSERT INTO {}.pgjobs_migration (version, name) VALUES (%s, %s)")
                     .format(ident), (mg.version, mg.name))

@@ -11,7 +11,8 @@ SELECT %(queue)s, %(priority)s, coalesce(%(run_at)s, now()),
 
 -- name: job_insert_many :exec
 -- Publish many messages in one statement (the batch path): one row per array element.
--- Text arrays are sent in binary (%(x)b): no per-element quoting of JSON on the client.
+-- Text arrays are sent in binary: no per-element quoting of JSON on the client. Ids follow
+-- the order of the batch (ORDER BY the ordinality), so FIFO holds within a batch.
 INSERT INTO {schema}.pgjobs_job
        (queue, priority, run_at, expires_at, max_attempts, task, message)
 SELECT m.queue, m.priority, coalesce(m.run_at, now()),
@@ -19,9 +20,10 @@ SELECT m.queue, m.priority, coalesce(m.run_at, now()),
        m.max_attempts, m.task, m.message
   FROM unnest(%(queue)b::text[], %(priority)s::smallint[], %(run_at)s::timestamptz[],
               %(ttl_ms)s::float8[], %(max_attempts)s::int[], %(task)b::text[],
-              %(message)b::text[]::json[])
-       AS m(queue, priority, run_at, ttl_ms, max_attempts, task, message)
-  LEFT JOIN {schema}.pgjobs_queue AS q ON q.name = m.queue;
+              %(message)b::text[]::json[]) WITH ORDINALITY
+       AS m(queue, priority, run_at, ttl_ms, max_attempts, task, message, n)
+  LEFT JOIN {schema}.pgjobs_queue AS q ON q.name = m.queue
+ ORDER BY m.n;
 
 -- name: job_insert_fanout :exec
 -- Publish one message to every queue bound to a fanout exchange (one row per queue).

@@ -1,0 +1,498 @@
+"""Operator operations on one pgjobs schema: what the ``pgjobs`` CLI, the metrics exporter and
+celery_ext call to look at queues and to pause, requeue, cancel, purge and prune.
+
+Every statement lives in ``sql/admin.sql``. Operations that change rows validate what they were
+given first (unknown ids, states or queues raise an error with a stable code, and nothing is
+changed), and bulk operations work in bounded batches, each its own short transaction, so an
+operator command never holds locks a claim would wait on. Results are plain JSON-ready dicts:
+the CLI prints them as tables or, with ``--json``, as they are.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import re
+import socket
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import date, datetime, timezone
+from typing import Any
+
+import psycopg
+from psycopg.types.json import Jsonb
+
+from .errors import (
+    BulkRefused,
+    InvalidArgument,
+    MigrationError,
+    NotFound,
+    StateConflict,
+    UnknownQueue,
+    UnknownState,
+)
+from .options import validate_queue_name, validate_schema_name
+from .schema import current_version
+from .sql import queries
+
+__all__ = [
+    "DEFAULT_BULK_LIMIT",
+    "LAST_ERROR_HEADER",
+    "LIVE_STATES",
+    "MAX_BULK_LIMIT",
+    "STATES",
+    "TENANT_HEADER",
+    "Admin",
+    "decode_message",
+    "parse_duration",
+    "record_dead_letter",
+]
+
+#: every state an operator can filter on: three live ones (derived) and dead
+STATES = ("ready", "delayed", "running", "dead")
+LIVE_STATES = ("ready", "delayed", "running")
+#: the header a tenant-aware publisher sets; `pgjobs ls --tenant` filters on it
+TENANT_HEADER = "x-pgjobs-tenant"
+#: the header celery_ext puts on a retry: the error that caused it, shown by `pgjobs show`
+LAST_ERROR_HEADER = "x-pgjobs-last-error"
+#: schema version the operator statements need (counters, consumers, cancellation)
+MIN_SCHEMA_VERSION = 2
+DEFAULT_BULK_LIMIT = 1000
+MAX_BULK_LIMIT = 100_000
+DEFAULT_PAGE = 50
+MAX_PAGE = 1000
+DEFAULT_BATCH = 1000
+
+_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
+_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)([smhdw])")
+
+
+def parse_duration(text: str) -> float:
+    """``7d``, ``12h``, ``1d12h``, ``90m``, ``30s`` or a bare number of seconds -> seconds."""
+    raw = str(text).strip().lower()
+    if re.fullmatch(r"\d+(?:\.\d+)?", raw):
+        return float(raw)
+    parts = _DURATION_PART.findall(raw)
+    if not parts or "".join(n + u for n, u in parts) != raw:
+        raise InvalidArgument(
+            f"duration {text!r} is invalid: use e.g. 7d, 12h, 1d12h, 90m, 30s")
+    return sum(float(n) * _UNITS[u] for n, u in parts)
+
+
+def _iso(value: Any) -> Any:
+    if isinstance(value, (datetime, date)):
+        return value.isoformat()
+    return value
+
+
+def _row(cursor: psycopg.Cursor[Any], row: Sequence[Any]) -> dict[str, Any]:
+    names = [d.name for d in cursor.description or ()]
+    return {k: _iso(v) for k, v in zip(names, row, strict=True)}
+
+
+def _ids(ids: Iterable[Any]) -> list[int]:
+    out: list[int] = []
+    for raw in ids:
+        try:
+            value = int(str(raw))
+        except ValueError:
+            raise InvalidArgument(f"message id {raw!r} is not a number") from None
+        if value <= 0 or value >= 2**63:
+            raise InvalidArgument(f"message id {raw!r} is out of range")
+        if value not in out:
+            out.append(value)
+    if not out:
+        raise InvalidArgument("give at least one message id")
+    return out
+
+
+def _bulk_limit(limit: int | None) -> int:
+    value = DEFAULT_BULK_LIMIT if limit is None else int(limit)
+    if not 1 <= value <= MAX_BULK_LIMIT:
+        raise BulkRefused(f"--limit must be between 1 and {MAX_BULK_LIMIT}, got {limit}")
+    return value
+
+
+def decode_message(text: str | Mapping[str, Any], *, body: bool = False) -> dict[str, Any]:
+    """The parts of a stored kombu message an operator reads: headers, properties, and the
+    task's arguments. Only JSON bodies are decoded (never pickle: looking must not execute);
+    by default arguments come from Celery's ``argsrepr``/``kwargsrepr`` headers, which an app
+    may have masked, and the raw body is decoded only when asked (``body=True``)."""
+    message: dict[str, Any] = json.loads(text) if isinstance(text, str) else dict(text)
+    headers = dict(message.get("headers") or {})
+    props = dict(message.get("properties") or {})
+    out: dict[str, Any] = {
+        "headers": headers,
+        "properties": props,
+        "content_type": message.get("content-type"),
+        "args": headers.get("argsrepr"),
+        "kwargs": headers.get("kwargsrepr"),
+    }
+    if body:
+        raw = message.get("body")
+        data: Any = raw
+        try:
+            if props.get("body_encoding") == "base64" and isinstance(raw, str):
+                data = base64.b64decode(raw)
+            if message.get("content-type") == "application/json":
+                if isinstance(data, bytes):
+                    data = data.decode(message.get("content-encoding") or "utf-8")
+                decoded = json.loads(data) if isinstance(data, str) else data
+                if isinstance(decoded, list) and len(decoded) == 3:  # Celery protocol 2
+                    out["body"] = {"args": decoded[0], "kwargs": decoded[1],
+                                   "embed": decoded[2]}
+                else:
+                    out["body"] = decoded
+            else:
+                size = len(data) if isinstance(data, (bytes, str)) else None
+                out["body"] = {"undecoded": message.get("content-type"), "size": size}
+        except (ValueError, UnicodeDecodeError) as exc:
+            out["body"] = {"undecoded": f"body could not be decoded: {exc}"}
+    return out
+
+
+def record_dead_letter(conn: psycopg.Connection[Any], schema: str, *, queue: str,
+                       task: str | None, message: Mapping[str, Any] | str, reason: str,
+                       error: Mapping[str, Any] | None, job: tuple[int, int] | None = None,
+                       priority: int = 0, attempts: int = 0, max_attempts: int | None = None,
+                       shard: str = "") -> int:
+    """Record a message that failed for good as a dead letter; return its (fresh) id.
+
+    celery_ext calls this from the worker when a task fails for good: Celery settles the
+    message itself (an ack), so the dead letter is a copy under a new id from the job id
+    sequence, never a second row with the live id (which the transport's own dead-lettering
+    would collide with). ``job`` is the delivery's ``(id, claim)``: when the row is still held
+    its exact message and attempt count are copied; otherwise ``message`` (rebuilt by the
+    caller) is stored.
+    """
+    validate_schema_name(schema)
+    validate_queue_name(queue)
+    text = message if isinstance(message, str) else json.dumps(message, default=str)
+    job_id, claim = job if job is not None else (None, None)
+    row = conn.execute(queries(schema)["admin_dead_record"], {
+        "job_table": f'"{schema}".pgjobs_job', "job_id": job_id, "claim": claim,
+        "queue": queue, "priority": priority, "task": task, "attempts": attempts,
+        "max_attempts": max_attempts, "reason": reason,
+        "error": Jsonb(dict(error)) if error is not None else None, "message": text,
+        "shard": shard or f"celery_ext:{socket.gethostname()}:{os.getpid()}",
+    }).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+class Admin:
+    """Operator statements on one schema, over one connection (autocommit)."""
+
+    def __init__(self, conn: psycopg.Connection[Any], schema: str) -> None:
+        self.conn = conn
+        self.schema = validate_schema_name(schema)
+        self.q = queries(schema)
+        self.channel = f"pgjobs.{schema}"
+        self.job_table = f'"{schema}".pgjobs_job'
+        #: counter shard of operator settles (cancel, purge): one per CLI process
+        self.shard = f"pgjobs-cli:{socket.gethostname()}:{os.getpid()}"
+
+    # -- helpers ------------------------------------------------------------------------
+    def check_schema(self) -> int:
+        """Refuse to run on a schema that is missing or too old, with what to do about it."""
+        version = current_version(self.conn, self.schema)
+        if version == 0:
+            raise MigrationError(
+                f"schema {self.schema!r} is not installed in this database: check --schema, "
+                "or run `pgjobs migrate`")
+        if version < MIN_SCHEMA_VERSION:
+            raise MigrationError(
+                f"schema {self.schema!r} is at version {version}; operator commands need "
+                f"{MIN_SCHEMA_VERSION}: run `pgjobs migrate`")
+        return version
+
+    def _one(self, name: str, params: Mapping[str, Any]) -> Any:
+        row = self.conn.execute(self.q[name], params).fetchone()
+        return row[0] if row else None
+
+    def _dicts(self, name: str, params: Mapping[str, Any]) -> list[dict[str, Any]]:
+        cur = self.conn.execute(self.q[name], params)
+        return [_row(cur, r) for r in cur.fetchall()]
+
+    def require_queue(self, queue: str) -> str:
+        validate_queue_name(queue)
+        if not self._one("admin_queue_known", {"queue": queue}):
+            raise UnknownQueue(
+                f"queue {queue!r} is unknown: it is not declared and holds no messages or "
+                "dead letters (see `pgjobs queues`)")
+        return queue
+
+    def cutoff(self, seconds: float) -> datetime:
+        """now() - seconds on the database's clock."""
+        return self._one("admin_cutoff", {"seconds": float(seconds)})
+
+    def time_arg(self, text: str | None) -> datetime | None:
+        """An ISO 8601 timestamp, or a duration meaning that long ago (``2h``)."""
+        if text is None:
+            return None
+        try:
+            return self.cutoff(parse_duration(text))
+        except InvalidArgument:
+            pass
+        try:
+            value = datetime.fromisoformat(str(text).replace("Z", "+00:00"))
+        except ValueError:
+            raise InvalidArgument(
+                f"time {text!r} is invalid: use ISO 8601 (2024-05-01T12:00:00Z) or a "
+                "duration ago (2h, 7d)") from None
+        return value if value.tzinfo else value.replace(tzinfo=timezone.utc)
+
+    def _locate(self, ids: list[int]) -> dict[int, tuple[str, str]]:
+        rows = self.conn.execute(self.q["admin_locate"], {"ids": ids}).fetchall()
+        found = {int(r[0]): (r[1], r[2]) for r in rows}
+        missing = [i for i in ids if i not in found]
+        if missing:
+            raise NotFound(f"no message or dead letter with id {', '.join(map(str, missing))}")
+        return found
+
+    # -- looking ------------------------------------------------------------------------
+    def queues(self, queue: str | None = None, *, minutes: int = 5) -> list[dict[str, Any]]:
+        if not 1 <= int(minutes) <= 1440:
+            raise InvalidArgument(f"--minutes must be between 1 and 1440, got {minutes}")
+        if queue is not None:
+            self.require_queue(queue)
+        rows = self._dicts("admin_queue_stats", {"queue": queue, "minutes": int(minutes)})
+        for r in rows:
+            settled = {k: int(v) for k, v in (r.pop("settled") or {}).items()}
+            r["settled"] = settled
+            r["acked_per_minute"] = round(settled.get("acked", 0) / minutes, 3)
+            r["minutes"] = int(minutes)
+        return rows
+
+    def ls(self, *, states: Sequence[str] | None = None, queue: str | None = None,
+           task: str | None = None, tenant: str | None = None,
+           created_after: str | None = None, created_before: str | None = None,
+           after: str | int | None = None, limit: int = DEFAULT_PAGE) -> dict[str, Any]:
+        wanted = list(states) if states else list(LIVE_STATES)
+        bad = [s for s in wanted if s not in STATES]
+        if bad:
+            raise UnknownState(
+                f"unknown state {', '.join(map(repr, bad))}: use {', '.join(STATES)}")
+        if not 1 <= int(limit) <= MAX_PAGE:
+            raise InvalidArgument(f"--limit must be between 1 and {MAX_PAGE}, got {limit}")
+        if queue is not None:
+            self.require_queue(queue)
+        cursor = 0 if after in (None, "") else _ids([after])[0]
+        rows = self._dicts("admin_ls", {
+            "states": wanted, "queue": queue, "task": task, "tenant": tenant,
+            "created_after": self.time_arg(created_after),
+            "created_before": self.time_arg(created_before),
+            "after": cursor, "limit": int(limit) + 1})
+        more = len(rows) > int(limit)
+        rows = rows[: int(limit)]
+        return {"items": rows, "next": str(rows[-1]["id"]) if more and rows else None}
+
+    def show(self, job_id: str | int, *, body: bool = False) -> dict[str, Any]:
+        (ident,) = _ids([job_id])
+        cur = self.conn.execute(self.q["admin_job_get"], {"id": ident})
+        row = cur.fetchone()
+        if row is None:
+            cur = self.conn.execute(self.q["admin_dead_get"], {"id": ident})
+            row = cur.fetchone()
+        if row is None:
+            raise NotFound(f"no message or dead letter with id {ident}")
+        out = _row(cur, row)
+        decoded = decode_message(out.pop("message"), body=body)
+        out.update(decoded)
+        out["task_id"] = decoded["headers"].get("id")
+        out["tenant"] = decoded["headers"].get(TENANT_HEADER)
+        out["retries"] = decoded["headers"].get("retries")
+        if out["state"] == "dead":
+            out["last_error"] = out.get("error")
+        else:
+            out["last_error"] = decoded["headers"].get(LAST_ERROR_HEADER)
+        return out
+
+    def dead_ls(self, *, queue: str | None = None, task: str | None = None,
+                reason: str | None = None, tenant: str | None = None,
+                after: str | int | None = None, limit: int = DEFAULT_PAGE) -> dict[str, Any]:
+        if not 1 <= int(limit) <= MAX_PAGE:
+            raise InvalidArgument(f"--limit must be between 1 and {MAX_PAGE}, got {limit}")
+        if queue is not None:
+            self.require_queue(queue)
+        cursor = 0 if after in (None, "") else _ids([after])[0]
+        rows = self._dicts("admin_dead_ls", {
+            "queue": queue, "task": task, "reason": reason, "tenant": tenant,
+            "after": cursor, "limit": int(limit) + 1})
+        more = len(rows) > int(limit)
+        rows = rows[: int(limit)]
+        return {"items": rows, "next": str(rows[-1]["id"]) if more and rows else None}
+
+    def dead_show(self, job_id: str | int, *, body: bool = False) -> dict[str, Any]:
+        (ident,) = _ids([job_id])
+        if not self.conn.execute(self.q["admin_dead_get"], {"id": ident}).fetchone():
+            raise NotFound(f"no dead letter with id {ident} (`pgjobs show {ident}` looks at "
+                           "live messages too)")
+        return self.show(ident, body=body)
+
+    def workers(self, *, leases: int = 20) -> list[dict[str, Any]]:
+        return self._dicts("admin_workers", {"leases": int(leases)})
+
+    def counter_totals(self) -> list[dict[str, Any]]:
+        return self._dicts("admin_counter_totals", {})
+
+    # -- changing -----------------------------------------------------------------------
+    def dead_requeue(self, ids: Sequence[Any] | None = None, *, queue: str | None = None,
+                     reason: str | None = None, limit: int | None = None) -> dict[str, Any]:
+        """Dead letters back to ready: by id (all must be dead letters), or every one of a
+        queue, at most ``limit`` per call (the result says how many remain)."""
+        if ids:
+            wanted = _ids(ids)
+            with self.conn.transaction():
+                found = self._locate(wanted)
+                live = [i for i in wanted if found[i][0] != "dead"]
+                if live:
+                    raise NotFound(
+                        f"id {', '.join(map(str, live))} is not a dead letter (it is "
+                        f"{found[live[0]][1]}): `pgjobs requeue` handles live messages")
+                rows = self._dicts("admin_dead_requeue", {
+                    "ids": wanted, "queue": None, "reason": None, "limit": len(wanted),
+                    "job_table": self.job_table, "channel": self.channel})
+            skipped = sorted(set(wanted) - {r["id"] for r in rows})
+            return {"requeued": [{k: r[k] for k in ("id", "new_id", "queue")} for r in rows],
+                    "skipped": skipped, "remaining": len(skipped)}
+        if queue is None:
+            raise BulkRefused("requeue --all needs --queue: bulk requeues go one queue at a time")
+        self.require_queue(queue)
+        bound = _bulk_limit(limit)
+        rows = self._dicts("admin_dead_requeue", {
+            "ids": None, "queue": queue, "reason": reason, "limit": bound,
+            "job_table": self.job_table, "channel": self.channel})
+        remaining = self._one("admin_dead_count", {
+            "ids": None, "queue": queue, "reason": reason, "cutoff": None})
+        return {"requeued": [{k: r[k] for k in ("id", "new_id", "queue")} for r in rows],
+                "skipped": [], "remaining": int(remaining)}
+
+    def requeue(self, ids: Sequence[Any]) -> dict[str, Any]:
+        """Put messages back to run now: a dead letter goes back to ready, a delayed message
+        becomes due, a ready one is left as it is. A running message is refused (its holder
+        may still finish it): wait, or cancel it."""
+        wanted = _ids(ids)
+        with self.conn.transaction():
+            found = self._locate(wanted)
+            running = [i for i in wanted if found[i][1] == "running"]
+            if running:
+                raise StateConflict(
+                    f"message {', '.join(map(str, running))} is running: wait for it to finish "
+                    "or its lease to lapse, or cancel it with `pgjobs cancel`")
+            dead = [i for i in wanted if found[i][0] == "dead"]
+            delayed = [i for i in wanted if found[i][1] == "delayed"]
+            revived: list[dict[str, Any]] = []
+            if dead:
+                revived = self._dicts("admin_dead_requeue", {
+                    "ids": dead, "queue": None, "reason": None, "limit": len(dead),
+                    "job_table": self.job_table, "channel": self.channel})
+            due = self._dicts("admin_job_make_due", {"ids": delayed, "channel": self.channel}) \
+                if delayed else []
+        return {
+            "requeued": [{k: r[k] for k in ("id", "new_id", "queue")} for r in revived],
+            "made_due": [r["id"] for r in due],
+            "unchanged": [i for i in wanted if found[i][1] == "ready"],
+        }
+
+    def cancel(self, ids: Sequence[Any]) -> dict[str, Any]:
+        wanted = _ids(ids)
+        with self.conn.transaction():
+            found = self._locate(wanted)
+            dead = [i for i in wanted if found[i][0] == "dead"]
+            if dead:
+                raise NotFound(
+                    f"id {', '.join(map(str, dead))} is a dead letter, not a live message: "
+                    "`pgjobs dead purge ID` deletes it")
+            rows = self.conn.execute(self.q["admin_cancel"], {
+                "ids": wanted, "shard": self.shard}).fetchall()
+        return {"cancelled": sorted(r[1] for r in rows if r[0] == "cancelled"),
+                "marked": sorted(r[1] for r in rows if r[0] == "marked")}
+
+    def purge(self, queue: str, *, limit: int | None = None) -> dict[str, Any]:
+        """Delete up to ``limit`` ready and delayed messages of a queue; running ones finish."""
+        self.require_queue(queue)
+        bound = _bulk_limit(limit)
+        purged = int(self._one("admin_purge", {
+            "queue": queue, "limit": bound, "shard": self.shard}))
+        row = self.conn.execute(self.q["admin_queue_remaining"], {"queue": queue}).fetchone()
+        ready, running = (int(row[0]), int(row[1])) if row else (0, 0)
+        return {"queue": queue, "purged": purged, "remaining": ready, "running": running}
+
+    def pause(self, queue: str, *, paused: bool = True, create: bool = False) -> dict[str, Any]:
+        """Pause (or resume) a queue: claims skip it, running messages finish. A queue must be
+        known unless ``create`` (pausing ahead of a deploy); resuming wakes its consumers."""
+        if create:
+            validate_queue_name(queue)
+        else:
+            self.require_queue(queue)
+        row = self.conn.execute(self.q["admin_pause"], {
+            "queue": queue, "paused": paused, "channel": self.channel}).fetchone()
+        assert row is not None
+        return {"queue": row[0], "paused": bool(row[1])}
+
+    def dead_purge(self, ids: Sequence[Any] | None = None, *, queue: str | None = None,
+                   reason: str | None = None, older_than: str | None = None,
+                   limit: int | None = None, batch: int = DEFAULT_BATCH,
+                   dry_run: bool = False) -> dict[str, Any]:
+        """Delete dead letters by id, or by age (and queue/reason), in bounded batches."""
+        wanted = _ids(ids) if ids else None
+        if wanted is not None:
+            with self.conn.transaction():
+                found = self._locate(wanted)
+                live = [i for i in wanted if found[i][0] != "dead"]
+                if live:
+                    raise NotFound(f"id {', '.join(map(str, live))} is not a dead letter: "
+                                   "`pgjobs cancel` removes live messages")
+        elif older_than is None and queue is None:
+            raise BulkRefused("dead purge needs ids, --older-than or --queue")
+        if queue is not None:
+            self.require_queue(queue)
+        cutoff = self.cutoff(parse_duration(older_than)) if older_than else None
+        params = {"ids": wanted, "queue": queue, "reason": reason, "cutoff": cutoff}
+        matched = int(self._one("admin_dead_count", params))
+        bound = _bulk_limit(limit if wanted is None else max(len(wanted), 1))
+        deleted = 0
+        if not dry_run:
+            deleted = self._batches("admin_dead_purge", params, bound, batch)
+        return {"matched": matched, "purged": deleted, "dry_run": dry_run,
+                "cutoff": _iso(cutoff), "remaining": matched - deleted}
+
+    def _batches(self, name: str, params: Mapping[str, Any], bound: int, batch: int) -> int:
+        """Run a bounded DELETE batch by batch (each its own short transaction) until nothing
+        matches or ``bound`` rows are done."""
+        if not 1 <= int(batch) <= 100_000:
+            raise BulkRefused(f"--batch must be between 1 and 100000, got {batch}")
+        done = 0
+        while done < bound:
+            n = int(self._one(name, {**params, "limit": min(int(batch), bound - done)}))
+            done += n
+            if n == 0:
+                break
+        return done
+
+    def prune(self, older_than: str, *, counters_older_than: str | None = None,
+              dry_run: bool = False, limit: int | None = None,
+              batch: int = DEFAULT_BATCH) -> dict[str, Any]:
+        """Retention: delete dead letters that died before the cutoff and fold old counter
+        buckets into the roll-up, in bounded batches. ``dry_run`` only counts (exactly)."""
+        cutoff = self.cutoff(parse_duration(older_than))
+        counters_cutoff = self.cutoff(parse_duration(counters_older_than or older_than))
+        row = self.conn.execute(self.q["admin_prune_count"], {
+            "cutoff": cutoff, "counters_cutoff": counters_cutoff}).fetchone()
+        dead_matched, buckets_matched = (int(row[0]), int(row[1])) if row else (0, 0)
+        bound = _bulk_limit(limit if limit is not None else MAX_BULK_LIMIT)
+        dead_deleted = buckets_folded = 0
+        if not dry_run:
+            dead_deleted = self._batches("admin_dead_purge", {
+                "ids": None, "queue": None, "reason": None, "cutoff": cutoff}, bound, batch)
+            buckets_folded = self._batches(
+                "admin_counter_fold", {"cutoff": counters_cutoff}, bound, batch)
+        return {
+            "dry_run": dry_run,
+            "dead_letters": {"cutoff": _iso(cutoff), "matched": dead_matched,
+                             "deleted": dead_deleted, "remaining": dead_matched - dead_deleted},
+            "counter_buckets": {"cutoff": _iso(counters_cutoff), "matched": buckets_matched,
+                                "folded": buckets_folded,
+                                "remaining": buckets_matched - buckets_folded},
+        }

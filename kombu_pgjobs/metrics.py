@@ -1,0 +1,180 @@
+"""Prometheus metrics of one pgjobs schema, read from the database itself.
+
+Everything is computed from the tables at scrape time — queue depths and ages from
+``pgjobs_job``, dead letters from ``pgjobs_dead_letter``, settled totals from ``pgjobs_counter``
+(moved by the statements that settle rows, so they are exact and shared by every worker) — so one
+exporter per database is enough, however many workers run, and a restarted worker loses nothing.
+``pgjobs metrics`` prints the text once; ``pgjobs metrics --serve PORT`` serves it over
+:mod:`http.server` (bound to 127.0.0.1 unless told otherwise: metrics name queues and tasks).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import psycopg
+
+from .admin import Admin
+from .database import connect
+from .errors import PgJobsError
+
+__all__ = ["Metric", "MetricsSource", "collect", "make_server", "render"]
+
+log = logging.getLogger("kombu_pgjobs")
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+@dataclass
+class Metric:
+    name: str
+    kind: str  # gauge | counter
+    help: str
+    samples: list[tuple[dict[str, str], float]] = field(default_factory=list)
+
+    def add(self, value: float, **labels: str) -> None:
+        self.samples.append((labels, value))
+
+
+def collect(admin: Admin) -> list[Metric]:
+    """Read every metric in a few statements (no row locks)."""
+    started = time.monotonic()
+    messages = Metric("pgjobs_messages", "gauge",
+                      "Messages in the job table by queue and state: ready (due now), delayed "
+                      "(waiting for their ETA) and running (leased to a worker).")
+    oldest = Metric("pgjobs_oldest_ready_age_seconds", "gauge",
+                    "Seconds the oldest due message of a queue has waited (0 when none): the "
+                    "queue's latency.")
+    dead = Metric("pgjobs_dead_letters", "gauge", "Dead letters held for a queue.")
+    paused = Metric("pgjobs_queue_paused", "gauge", "1 when a queue is paused (not claimed).")
+    settled = Metric("pgjobs_settled_total", "counter",
+                     "Messages settled, by queue and outcome (acked, requeued, rescued, dead, "
+                     "expired, cancelled, purged, failed), since the schema was installed.")
+    consumers = Metric("pgjobs_consumers", "gauge",
+                       "Consuming processes seen by their keeper tick in the last few ticks.")
+    orphaned = Metric("pgjobs_orphaned_leases", "gauge",
+                      "Leases held by processes that no longer report as consumers (they lapse "
+                      "within lease_ttl and are re-delivered or buried).")
+    for q in admin.queues(minutes=1):
+        name = q["queue"]
+        for state in ("ready", "delayed", "running"):
+            messages.add(q[state], queue=name, state=state)
+        oldest.add(q["oldest_ready_age"] or 0.0, queue=name)
+        dead.add(q["dead"], queue=name)
+        paused.add(1 if q["paused"] else 0, queue=name)
+    for row in admin.counter_totals():
+        settled.add(row["n"], queue=row["queue"], outcome=row["outcome"])
+    alive = gone = 0
+    for w in admin.workers(leases=0):
+        if w["alive"]:
+            alive += 1
+        else:
+            gone += int(w["running"])
+    consumers.add(alive)
+    orphaned.add(gone)
+    up = Metric("pgjobs_up", "gauge", "1 when the exporter could read the pgjobs schema.")
+    up.add(1)
+    took = Metric("pgjobs_scrape_duration_seconds", "gauge", "Seconds this scrape took.")
+    took.add(round(time.monotonic() - started, 6))
+    return [up, messages, oldest, dead, paused, settled, consumers, orphaned, took]
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _number(value: float) -> str:
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if isinstance(value, int):
+        return str(value)
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    return repr(float(value))
+
+
+def render(metrics: list[Metric]) -> str:
+    """Prometheus text exposition format 0.0.4."""
+    lines: list[str] = []
+    for m in metrics:
+        lines.append(f"# HELP {m.name} {m.help}")
+        lines.append(f"# TYPE {m.name} {m.kind}")
+        for labels, value in m.samples:
+            if labels:
+                inner = ",".join(f'{k}="{_escape(str(v))}"' for k, v in labels.items())
+                lines.append(f"{m.name}{{{inner}}} {_number(value)}")
+            else:
+                lines.append(f"{m.name} {_number(value)}")
+    return "\n".join(lines) + "\n"
+
+
+class MetricsSource:
+    """One connection, reopened after a failure; a failed scrape reports ``pgjobs_up 0``
+    rather than an HTTP error, so "exporter up, database down" is its own alert."""
+
+    def __init__(self, conninfo: str, schema: str) -> None:
+        self.conninfo = conninfo
+        self.schema = schema
+        self._conn: psycopg.Connection[Any] | None = None
+        self._lock = threading.Lock()
+
+    def metrics(self) -> list[Metric]:
+        with self._lock:
+            if self._conn is None or self._conn.closed:
+                self._conn = connect(self.conninfo)
+                Admin(self._conn, self.schema).check_schema()
+            return collect(Admin(self._conn, self.schema))
+
+    def text(self) -> str:
+        try:
+            return render(self.metrics())
+        except (psycopg.Error, PgJobsError) as exc:
+            log.warning("pgjobs.metrics.failed %s", exc, extra={"action": "metrics"})
+            with self._lock:
+                if self._conn is not None:
+                    self._conn.close()
+                    self._conn = None
+            down = Metric("pgjobs_up", "gauge",
+                          "1 when the exporter could read the pgjobs schema.")
+            down.add(0)
+            return f"# pgjobs: {str(exc).splitlines()[0] if str(exc) else 'error'}\n" + \
+                render([down])
+
+    def close(self) -> None:
+        with self._lock:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+
+
+def make_server(text: Callable[[], str], port: int,
+                bind: str = "127.0.0.1") -> ThreadingHTTPServer:
+    """An HTTP server answering ``GET /metrics`` (and ``/``) with ``text()``."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if self.path.split("?", 1)[0] not in ("/", "/metrics"):
+                self.send_error(404, "metrics are at /metrics")
+                return
+            body = text().encode("utf-8")
+            self.send_response(200)
+            self.send_header("Content-Type", CONTENT_TYPE)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            log.debug("pgjobs.metrics.request " + format, *args)
+
+    server = ThreadingHTTPServer((bind, port), Handler)
+    server.daemon_threads = True
+    return server

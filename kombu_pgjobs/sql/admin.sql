@@ -1,0 +1,385 @@
+-- name: admin_queue_known :one
+-- Is this a queue an operator may name? Declared, holding messages, or holding dead letters.
+-- Commands that name a queue refuse an unknown one (a typo must not pause a queue nobody uses).
+SELECT EXISTS (SELECT 1 FROM {schema}.pgjobs_queue WHERE name = %(queue)s)
+    OR EXISTS (SELECT 1 FROM {schema}.pgjobs_job WHERE queue = %(queue)s)
+    OR EXISTS (SELECT 1 FROM {schema}.pgjobs_dead_letter WHERE queue = %(queue)s);
+
+-- name: admin_queue_stats :many
+-- Per queue: ready (due now), delayed (waiting for their ETA), running (leased), dead letters,
+-- paused, the age in seconds of the oldest ready message, and the settle counters of the last
+-- %(minutes)s minute buckets (the current, partial minute included) as {outcome: n}.
+-- %(queue)s NULL: every queue. Reads only; takes no row locks.
+WITH names AS (
+    SELECT name FROM {schema}.pgjobs_queue
+    UNION SELECT queue FROM {schema}.pgjobs_job
+    UNION SELECT queue FROM {schema}.pgjobs_dead_letter
+), jobs AS (
+    SELECT queue,
+           count(*) FILTER (WHERE state = 'ready' AND run_at <= now()) AS ready,
+           count(*) FILTER (WHERE state = 'ready' AND run_at > now()) AS delayed,
+           count(*) FILTER (WHERE state = 'running') AS running,
+           extract(epoch FROM now() - min(run_at) FILTER (
+               WHERE state = 'ready' AND run_at <= now()))::float8 AS oldest_ready_age
+      FROM {schema}.pgjobs_job
+     GROUP BY queue
+), dead AS (
+    SELECT queue, count(*) AS dead FROM {schema}.pgjobs_dead_letter GROUP BY queue
+), recent AS (
+    SELECT queue, jsonb_object_agg(outcome, n) AS settled
+      FROM (SELECT queue, outcome, sum(n)::bigint AS n
+              FROM {schema}.pgjobs_counter
+             WHERE bucket >= date_trunc('minute', now())
+                             - make_interval(mins => %(minutes)s::int - 1)
+             GROUP BY queue, outcome) AS c
+     GROUP BY queue
+)
+SELECT n.name AS queue,
+       coalesce(j.ready, 0) AS ready,
+       coalesce(j.delayed, 0) AS delayed,
+       coalesce(j.running, 0) AS running,
+       coalesce(d.dead, 0) AS dead,
+       coalesce(q.paused, false) AS paused,
+       j.oldest_ready_age,
+       coalesce(r.settled, '{{}}'::jsonb) AS settled
+  FROM names AS n
+  LEFT JOIN jobs AS j ON j.queue = n.name
+  LEFT JOIN dead AS d ON d.queue = n.name
+  LEFT JOIN {schema}.pgjobs_queue AS q ON q.name = n.name
+  LEFT JOIN recent AS r ON r.queue = n.name
+ WHERE %(queue)s::text IS NULL OR n.name = %(queue)s
+ ORDER BY n.name;
+
+-- name: admin_ls :many
+-- One page of messages, live and dead, in id order after %(after)s (keyset pagination: the
+-- caller passes the last id it saw). Live rows get a derived state: ready, delayed or running.
+-- Every filter is optional (NULL); %(states)s lists the states wanted. Each branch stops at
+-- %(limit)s rows, so a page costs at most two index range scans whatever the table size.
+(SELECT j.id, j.queue,
+        CASE WHEN j.state = 'running' THEN 'running'
+             WHEN j.run_at > now() THEN 'delayed'
+             ELSE 'ready' END AS state,
+        j.task, j.priority, j.attempts, j.max_attempts, j.claim, j.run_at, j.created_at,
+        j.worker, j.lease_expires_at, j.cancelled_at,
+        NULL::text AS reason, NULL::timestamptz AS died_at,
+        j.message -> 'headers' ->> 'id' AS task_id,
+        j.message -> 'headers' ->> 'x-pgjobs-tenant' AS tenant
+   FROM {schema}.pgjobs_job AS j
+  WHERE j.id > %(after)s
+    AND (%(queue)s::text IS NULL OR j.queue = %(queue)s)
+    AND (%(task)s::text IS NULL OR j.task = %(task)s)
+    AND (%(tenant)s::text IS NULL OR j.message -> 'headers' ->> 'x-pgjobs-tenant' = %(tenant)s)
+    AND (%(created_after)s::timestamptz IS NULL OR j.created_at >= %(created_after)s)
+    AND (%(created_before)s::timestamptz IS NULL OR j.created_at < %(created_before)s)
+    AND CASE WHEN j.state = 'running' THEN 'running'
+             WHEN j.run_at > now() THEN 'delayed'
+             ELSE 'ready' END = ANY(%(states)s::text[])
+  ORDER BY j.id
+  LIMIT %(limit)s)
+UNION ALL
+(SELECT d.id, d.queue, 'dead', d.task, d.priority, d.attempts, d.max_attempts, d.claim,
+        NULL, d.created_at, NULL, NULL, NULL, d.reason, d.died_at,
+        d.message -> 'headers' ->> 'id',
+        d.message -> 'headers' ->> 'x-pgjobs-tenant'
+   FROM {schema}.pgjobs_dead_letter AS d
+  WHERE 'dead' = ANY(%(states)s::text[])
+    AND d.id > %(after)s
+    AND (%(queue)s::text IS NULL OR d.queue = %(queue)s)
+    AND (%(task)s::text IS NULL OR d.task = %(task)s)
+    AND (%(tenant)s::text IS NULL OR d.message -> 'headers' ->> 'x-pgjobs-tenant' = %(tenant)s)
+    AND (%(created_after)s::timestamptz IS NULL OR d.created_at >= %(created_after)s)
+    AND (%(created_before)s::timestamptz IS NULL OR d.created_at < %(created_before)s)
+  ORDER BY d.id
+  LIMIT %(limit)s)
+ORDER BY id
+LIMIT %(limit)s;
+
+-- name: admin_dead_ls :many
+-- One page of dead letters in id order after %(after)s, with why they died. Filters optional.
+SELECT d.id, d.queue, d.task, d.priority, d.claim, d.attempts, d.max_attempts, d.reason,
+       d.error ->> 'type' AS error_type, d.error ->> 'message' AS error_message,
+       d.error ->> 'rule' AS rule, d.created_at, d.died_at,
+       d.message -> 'headers' ->> 'id' AS task_id,
+       d.message -> 'headers' ->> 'x-pgjobs-tenant' AS tenant
+  FROM {schema}.pgjobs_dead_letter AS d
+ WHERE d.id > %(after)s
+   AND (%(queue)s::text IS NULL OR d.queue = %(queue)s)
+   AND (%(task)s::text IS NULL OR d.task = %(task)s)
+   AND (%(reason)s::text IS NULL OR d.reason = %(reason)s)
+   AND (%(tenant)s::text IS NULL OR d.message -> 'headers' ->> 'x-pgjobs-tenant' = %(tenant)s)
+ ORDER BY d.id
+ LIMIT %(limit)s;
+
+-- name: admin_job_get :one
+-- One live message with everything an operator needs to judge it (the kombu message as text).
+SELECT j.id, j.queue,
+       CASE WHEN j.state = 'running' THEN 'running'
+            WHEN j.run_at > now() THEN 'delayed'
+            ELSE 'ready' END AS state,
+       j.task, j.priority, j.run_at, j.expires_at, j.claim, j.attempts, j.max_attempts,
+       j.worker, j.lease_expires_at,
+       extract(epoch FROM j.lease_expires_at - now())::float8 AS lease_remaining,
+       j.cancelled_at, j.created_at, j.message::text AS message
+  FROM {schema}.pgjobs_job AS j
+ WHERE j.id = %(id)s;
+
+-- name: admin_dead_get :one
+-- One dead letter with its reason and error.
+SELECT d.id, d.queue, 'dead' AS state, d.task, d.priority, d.claim, d.attempts, d.max_attempts,
+       d.reason, d.error, d.created_at, d.died_at, d.message::text AS message
+  FROM {schema}.pgjobs_dead_letter AS d
+ WHERE d.id = %(id)s;
+
+-- name: admin_locate :many
+-- Where each id lives: ('job', ready|delayed|running) or ('dead', 'dead'). Absent ids are not
+-- returned, so the caller can name them in a NotFound error before changing anything.
+SELECT j.id, 'job' AS place,
+       CASE WHEN j.state = 'running' THEN 'running'
+            WHEN j.run_at > now() THEN 'delayed'
+            ELSE 'ready' END AS state
+  FROM {schema}.pgjobs_job AS j
+ WHERE j.id = ANY(%(ids)s::bigint[])
+UNION ALL
+SELECT d.id, 'dead', 'dead'
+  FROM {schema}.pgjobs_dead_letter AS d
+ WHERE d.id = ANY(%(ids)s::bigint[]);
+
+-- name: admin_dead_requeue :many
+-- Move dead letters back to ready, at most %(limit)s, oldest id first: by id (%(ids)s) or by
+-- queue (%(queue)s, optionally %(reason)s). Attempts restart at 0; the claim number (the fence)
+-- is kept, so no holder of an earlier claim can settle the revived row. The row keeps its id
+-- unless a live row already has it (then it gets a fresh one from the job id sequence,
+-- %(job_table)s). Locked rows (another requeue in flight) are skipped. NOTIFY wakes the
+-- queue's idle consumers. Returns (old id, new id, queue).
+WITH picked AS (
+    SELECT d.*,
+           CASE WHEN EXISTS (SELECT 1 FROM {schema}.pgjobs_job AS j WHERE j.id = d.id)
+                THEN nextval(pg_get_serial_sequence(%(job_table)s, 'id'))
+                ELSE d.id END AS new_id
+      FROM {schema}.pgjobs_dead_letter AS d
+     WHERE (%(ids)s::bigint[] IS NULL OR d.id = ANY(%(ids)s::bigint[]))
+       AND (%(queue)s::text IS NULL OR d.queue = %(queue)s)
+       AND (%(reason)s::text IS NULL OR d.reason = %(reason)s)
+     ORDER BY d.id
+     LIMIT %(limit)s
+       FOR UPDATE SKIP LOCKED
+), removed AS (
+    DELETE FROM {schema}.pgjobs_dead_letter AS d USING picked WHERE d.id = picked.id
+), revived AS (
+    INSERT INTO {schema}.pgjobs_job
+           (id, queue, state, priority, run_at, claim, attempts, max_attempts, task,
+            created_at, message)
+    OVERRIDING SYSTEM VALUE
+    SELECT new_id, queue, 'ready', priority, now(), claim, 0, max_attempts, task,
+           created_at, message
+      FROM picked
+    RETURNING id
+)
+SELECT p.id, p.new_id, p.queue, pg_notify(%(channel)s, p.queue) IS NULL AS notified
+  FROM picked AS p;
+
+-- name: admin_dead_count :one
+-- Dead letters matching a selection (what a bounded bulk command leaves for the next call).
+SELECT count(*)
+  FROM {schema}.pgjobs_dead_letter AS d
+ WHERE (%(ids)s::bigint[] IS NULL OR d.id = ANY(%(ids)s::bigint[]))
+   AND (%(queue)s::text IS NULL OR d.queue = %(queue)s)
+   AND (%(reason)s::text IS NULL OR d.reason = %(reason)s)
+   AND (%(cutoff)s::timestamptz IS NULL OR d.died_at < %(cutoff)s);
+
+-- name: admin_dead_purge :one
+-- Delete one bounded batch of dead letters (by id, queue, reason and/or died before %(cutoff)s),
+-- oldest first. Claims never touch this table, so a purge cannot hold up a claim. Returns the
+-- number deleted.
+WITH gone AS (
+    DELETE FROM {schema}.pgjobs_dead_letter
+     WHERE id IN (SELECT d.id
+                    FROM {schema}.pgjobs_dead_letter AS d
+                   WHERE (%(ids)s::bigint[] IS NULL OR d.id = ANY(%(ids)s::bigint[]))
+                     AND (%(queue)s::text IS NULL OR d.queue = %(queue)s)
+                     AND (%(reason)s::text IS NULL OR d.reason = %(reason)s)
+                     AND (%(cutoff)s::timestamptz IS NULL OR d.died_at < %(cutoff)s)
+                   ORDER BY d.died_at
+                   LIMIT %(limit)s
+                     FOR UPDATE SKIP LOCKED)
+    RETURNING 1
+)
+SELECT count(*) FROM gone;
+
+-- name: admin_job_make_due :many
+-- `pgjobs requeue` of a delayed message: make it due now (it keeps its id, claim and attempts)
+-- and wake the queue's consumers. Returns (id, queue).
+UPDATE {schema}.pgjobs_job AS j
+   SET run_at = now()
+ WHERE j.id = ANY(%(ids)s::bigint[]) AND j.state = 'ready' AND j.run_at > now()
+RETURNING j.id, j.queue, pg_notify(%(channel)s, j.queue) IS NULL AS notified;
+
+-- name: admin_cancel :many
+-- Cancel live messages. A ready or delayed one is deleted (counted 'cancelled'); a running one is
+-- marked (cancelled_at) so that a requeue or a lapsed lease deletes it instead of bringing it
+-- back, while its holder may still ack it. Returns (outcome, id, queue).
+WITH target AS (
+    SELECT j.id, j.state
+      FROM {schema}.pgjobs_job AS j
+     WHERE j.id = ANY(%(ids)s::bigint[])
+       FOR UPDATE
+), deleted AS (
+    DELETE FROM {schema}.pgjobs_job AS j
+     USING target
+     WHERE j.id = target.id AND target.state = 'ready'
+    RETURNING j.id, j.queue
+), marked AS (
+    UPDATE {schema}.pgjobs_job AS j
+       SET cancelled_at = coalesce(j.cancelled_at, now())
+      FROM target
+     WHERE j.id = target.id AND target.state = 'running'
+    RETURNING j.id, j.queue
+), counted AS (
+    INSERT INTO {schema}.pgjobs_counter AS c (queue, outcome, bucket, shard, n)
+    SELECT queue, 'cancelled', date_trunc('minute', now()), %(shard)s, count(*)
+      FROM deleted GROUP BY queue
+    ON CONFLICT (queue, outcome, bucket, shard) DO UPDATE SET n = c.n + excluded.n
+)
+SELECT 'cancelled' AS outcome, id, queue FROM deleted
+UNION ALL
+SELECT 'marked', id, queue FROM marked;
+
+-- name: admin_purge :one
+-- Delete one bounded batch of a queue's ready and delayed messages (counted 'purged'). Running
+-- messages are left to finish. Rows locked by a concurrent claim are skipped, so a purge never
+-- waits on, or holds up, a claim. Returns the number deleted.
+WITH gone AS (
+    DELETE FROM {schema}.pgjobs_job
+     WHERE id IN (SELECT j.id
+                    FROM {schema}.pgjobs_job AS j
+                   WHERE j.queue = %(queue)s AND j.state = 'ready'
+                   ORDER BY j.id
+                   LIMIT %(limit)s
+                     FOR UPDATE SKIP LOCKED)
+    RETURNING queue
+), counted AS (
+    INSERT INTO {schema}.pgjobs_counter AS c (queue, outcome, bucket, shard, n)
+    SELECT queue, 'purged', date_trunc('minute', now()), %(shard)s, count(*)
+      FROM gone GROUP BY queue
+    ON CONFLICT (queue, outcome, bucket, shard) DO UPDATE SET n = c.n + excluded.n
+)
+SELECT count(*) FROM gone;
+
+-- name: admin_queue_remaining :one
+-- What a purge left in a queue: (ready and delayed, running).
+SELECT count(*) FILTER (WHERE state = 'ready'), count(*) FILTER (WHERE state = 'running')
+  FROM {schema}.pgjobs_job
+ WHERE queue = %(queue)s;
+
+-- name: admin_pause :one
+-- Pause or resume a queue (the claim skips paused queues). Upserts the queue row, since a queue
+-- may hold messages without having been declared. Resuming notifies the queue, so idle
+-- consumers claim at once instead of at their next safety poll. Returns (queue, paused).
+WITH q AS (
+    INSERT INTO {schema}.pgjobs_queue AS q (name, paused)
+    VALUES (%(queue)s, %(paused)s)
+    ON CONFLICT (name) DO UPDATE SET paused = excluded.paused
+    RETURNING q.name, q.paused
+)
+SELECT name, paused, CASE WHEN NOT paused THEN pg_notify(%(channel)s, name) IS NULL END
+  FROM q;
+
+-- name: admin_workers :many
+-- Live consumers (pgjobs_consumer, upserted by each worker's keeper tick) joined with the leases
+-- each process holds in pgjobs_job. A process that holds leases but has no consumer row is gone
+-- (its leases lapse within lease_ttl). At most %(leases)s leases are listed per process.
+WITH held AS (
+    SELECT worker, count(*) AS running, min(lease_expires_at) AS next_expiry,
+           (array_agg(jsonb_build_object(
+                'id', id, 'queue', queue, 'task', task, 'claim', claim,
+                'attempts', attempts, 'cancelled', cancelled_at IS NOT NULL,
+                'lease_remaining', extract(epoch FROM lease_expires_at - now())::float8)
+                ORDER BY id))[1:%(leases)s::int] AS leases
+      FROM {schema}.pgjobs_job
+     WHERE state = 'running'
+     GROUP BY worker
+)
+SELECT coalesce(c.worker, h.worker) AS worker,
+       c.worker IS NOT NULL AS alive,
+       c.queues, c.held AS reported_held, c.started_at, c.last_seen_at,
+       extract(epoch FROM now() - c.last_seen_at)::float8 AS last_seen_age,
+       coalesce(h.running, 0) AS running,
+       extract(epoch FROM h.next_expiry - now())::float8 AS next_expiry,
+       coalesce(h.leases, '{{}}') AS leases
+  FROM {schema}.pgjobs_consumer AS c
+  FULL JOIN held AS h ON h.worker = c.worker
+ ORDER BY 1;
+
+-- name: admin_counter_totals :many
+-- Settled messages per queue and outcome since the schema was installed (every bucket, the
+-- '-infinity' roll-up included): monotonic, what Prometheus counters need.
+SELECT queue, outcome, sum(n)::bigint AS n
+  FROM {schema}.pgjobs_counter
+ GROUP BY queue, outcome
+ ORDER BY queue, outcome;
+
+-- name: admin_cutoff :one
+-- now() minus %(seconds)s, on the database's clock (one clock for every age comparison).
+SELECT now() - make_interval(secs => %(seconds)s::float8);
+
+-- name: admin_prune_count :one
+-- Exactly what a prune would remove: dead letters that died before %(cutoff)s, and counter
+-- buckets older than %(counters_cutoff)s that are not yet rolled up.
+SELECT (SELECT count(*) FROM {schema}.pgjobs_dead_letter WHERE died_at < %(cutoff)s),
+       (SELECT count(*) FROM {schema}.pgjobs_counter
+         WHERE bucket < %(counters_cutoff)s AND bucket > '-infinity');
+
+-- name: admin_counter_fold :one
+-- Fold one bounded batch of old counter buckets into the roll-up bucket ('-infinity', shard
+-- 'rollup') in one statement, so per-queue, per-outcome totals never move backwards. Only old
+-- minutes are touched, never the current one that settles write to. Returns rows folded.
+WITH old AS (
+    DELETE FROM {schema}.pgjobs_counter AS c
+     WHERE (c.queue, c.outcome, c.bucket, c.shard) IN (
+            SELECT o.queue, o.outcome, o.bucket, o.shard
+              FROM {schema}.pgjobs_counter AS o
+             WHERE o.bucket < %(cutoff)s AND o.bucket > '-infinity'
+             LIMIT %(limit)s
+               FOR UPDATE SKIP LOCKED)
+    RETURNING c.queue, c.outcome, c.n
+), folded AS (
+    INSERT INTO {schema}.pgjobs_counter AS c (queue, outcome, bucket, shard, n)
+    SELECT queue, outcome, '-infinity', 'rollup', sum(n)
+      FROM old GROUP BY queue, outcome
+    ON CONFLICT (queue, outcome, bucket, shard) DO UPDATE SET n = c.n + excluded.n
+)
+SELECT count(*) FROM old;
+
+-- name: admin_dead_record :one
+-- Record a message that failed for good (celery_ext: exception after its retries were spent)
+-- as a dead letter with a fresh id from the job id sequence (%(job_table)s). The message itself
+-- is settled by Celery as usual (acked), so the dead letter is a copy: when the live row is
+-- still held (%(job_id)s, %(claim)s: acks_late), its exact message, attempts and publish time
+-- are copied; otherwise the caller's rebuilt %(message)s is stored. Counted as 'failed' (not
+-- 'dead': the ack counts the row itself). Returns the dead letter's id.
+WITH src AS (
+    SELECT j.queue, j.priority, j.task, j.claim, j.attempts, j.max_attempts, j.created_at,
+           j.message
+      FROM {schema}.pgjobs_job AS j
+     WHERE j.id = %(job_id)s::bigint AND j.claim = %(claim)s::int
+), dead AS (
+    INSERT INTO {schema}.pgjobs_dead_letter
+           (id, queue, priority, task, claim, attempts, max_attempts, reason, error,
+            created_at, message)
+    SELECT nextval(pg_get_serial_sequence(%(job_table)s, 'id')),
+           coalesce(src.queue, %(queue)s::text), coalesce(src.priority, %(priority)s::smallint),
+           coalesce(src.task, %(task)s::text), coalesce(src.claim, %(claim)s::int, 0),
+           coalesce(src.attempts, %(attempts)s::int),
+           coalesce(src.max_attempts, %(max_attempts)s::int),
+           %(reason)s::text, %(error)s::jsonb, coalesce(src.created_at, now()),
+           coalesce(src.message, %(message)s::json)
+      FROM (SELECT) AS one
+      LEFT JOIN src ON true
+    RETURNING id, queue
+), counted AS (
+    INSERT INTO {schema}.pgjobs_counter AS c (queue, outcome, bucket, shard, n)
+    SELECT queue, 'failed', date_trunc('minute', now()), %(shard)s, count(*)
+      FROM dead GROUP BY queue
+    ON CONFLICT (queue, outcome, bucket, shard) DO UPDATE SET n = c.n + excluded.n
+)
+SELECT id FROM dead;
