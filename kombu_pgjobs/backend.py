@@ -128,6 +128,8 @@ class Backend:
             conn = self._publish_conn
             if conn is None or conn.closed:
                 conn = self._publish_conn = self.connect()
+                if not self.options.durable_publish:
+                    conn.execute("SET synchronous_commit = off", prepare=False)
             try:
                 return fn(conn)
             except psycopg.OperationalError:
