@@ -25,10 +25,15 @@ pytestmark = pytest.mark.e2e
 
 def _app(schema: str, url: str, **env: str) -> Any:
     """Import the recorder app in this process, configured like the workers."""
+    saved = dict(os.environ)
     os.environ.update({"PGJOBS_TEST_SCHEMA": schema, "PGJOBS_TEST_BROKER": url,
                        "PGJOBS_TEST_DSN": DSN, **env})
-    sys.modules.pop("tests.apps.recorder", None)
-    return importlib.import_module("tests.apps.recorder")
+    try:
+        sys.modules.pop("tests.apps.recorder", None)
+        return importlib.import_module("tests.apps.recorder")
+    finally:  # the app read its settings at import; later tests must not inherit them
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def _runs(db: psycopg.Connection[Any], schema: str) -> dict[str, int]:
@@ -192,6 +197,9 @@ def test_idle_worker_statement_budget(dsn, start_worker, recorder_tables):
         start_worker(name="idle", concurrency=2, env={"PGJOBS_TEST_BROKER": url})
         time.sleep(5)  # start-up (migration check, declares, first claims) is not idle time
         before = wire.count()
+        seen_before = dict(wire.by_text)
         time.sleep(60)
         idle = wire.count() - before
-    assert 1 <= idle <= 10, f"{idle} statements in an idle minute"
+        during = {k: v - seen_before.get(k, 0) for k, v in wire.by_text.items()
+                  if v - seen_before.get(k, 0)}
+    assert 1 <= idle <= 10, f"{idle} statements in an idle minute: {during}"

@@ -21,6 +21,10 @@ class WireCounter:
         self.server = socket.create_server(("127.0.0.1", 0))
         self.port = self.server.getsockname()[1]
         self.statements = 0
+        #: statement text (first line of the parsed query, or simple query) -> executions
+        self.by_text: dict[str, int] = {}
+        self._names: dict[bytes, str] = {}
+        self._portals: dict[bytes, bytes] = {}
         self.lock = threading.Lock()
         self._closing = False
         self._socks: list[socket.socket] = []
@@ -62,14 +66,33 @@ class WireCounter:
                 kind = head[:1]
                 (length,) = struct.unpack("!i", head[1:])
                 body = self._recv_exact(src, length - 4)
-                if kind in (b"Q", b"E"):
-                    with self.lock:
-                        self.statements += 1
+                if kind in (b"Q", b"E", b"P", b"B"):
+                    self._note(kind, body)
                 dst.sendall(head + body)
         except (ConnectionError, OSError):
             pass
         finally:
             self._close(src, dst)
+
+    def _note(self, kind: bytes, body: bytes) -> None:
+        """Count Q and E messages; keep P (statement text) and B (portal -> statement)."""
+        with self.lock:
+            if kind == b"P":
+                name, _, rest = body.partition(b"\0")
+                self._names[name] = rest.split(b"\0", 1)[0][:80].decode("utf-8", "replace")
+                return
+            if kind == b"B":
+                portal, _, rest = body.partition(b"\0")
+                self._portals[portal] = rest.split(b"\0", 1)[0]
+                return
+            self.statements += 1
+            if kind == b"Q":
+                text = body[:80].decode("utf-8", "replace")
+            else:
+                portal = body.partition(b"\0")[0]
+                text = self._names.get(self._portals.get(portal, b""), "?")
+            key = " ".join(text.split())[:60]
+            self.by_text[key] = self.by_text.get(key, 0) + 1
 
     def _relay(self, src: socket.socket, dst: socket.socket) -> None:
         try:
