@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -18,12 +19,17 @@ N = int(os.environ.get("PGJOBS_DEMO_TASKS", "20"))
 
 
 def main() -> int:
+    # A queue of its own: a worker left running elsewhere on the same server cannot take
+    # this run's tasks. SIGTERM (e.g. from `timeout`) still stops the worker below.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
+    queue = f"demo-{uuid.uuid4().hex[:8]}"
     url = os.environ.setdefault("PGJOBS_DEMO_URL", "pgjobs://")
     print(f"broker: {url}  (pgjobs:// with no host = embedded PostgreSQL)", flush=True)
     env = {**os.environ, "PYTHONPATH": str(HERE)}
     worker = subprocess.Popen(
         [sys.executable, "-m", "celery", "-A", "demo_app", "worker", "-l", "info",
-         "-P", "threads", "-c", "4", "-n", "demo@%h", "--without-gossip", "--without-mingle"],
+         "-P", "threads", "-c", "4", "-n", f"{queue}@%h", "-Q", queue,
+         "--without-gossip", "--without-mingle"],
         cwd=HERE, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True)
     assert worker.stdout is not None
@@ -39,7 +45,7 @@ def main() -> int:
                 sys.path.insert(0, str(HERE))
                 from demo_app import add
                 for i in range(N):
-                    add.delay(i, i)
+                    add.apply_async((i, i), queue=queue)
             if "succeeded" in line:
                 done += 1
                 print(f"[{done}/{N}]", line.split("]", 1)[-1].strip(), flush=True)
