@@ -184,6 +184,22 @@ def test_warm_shutdown_hands_back_prefetched_uncounted(db, recorder_tables, url,
     assert all(r[0] == "ready" and r[1] == 0 for r in rows), rows
 
 
+def test_connections_per_worker_do_not_grow_with_queues(db, recorder_tables, start_worker):
+    """Claim+LISTEN, publish and keeper connections: three, for one queue or six."""
+    counts = []
+    for n_queues in (1, 6):
+        name = f"pgjt_conn_{n_queues}_{recorder_tables[-6:]}"
+        queues = ",".join(f"q{i}" for i in range(n_queues))
+        w = start_worker(name=f"c{n_queues}", concurrency=2, env={"PGJOBS_TEST_APPNAME": name},
+                         extra=["-Q", queues])
+        time.sleep(12)  # past the first keeper tick (lease_ttl / 3)
+        counts.append(db.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s",
+            (name,)).fetchone()[0])
+        w.stop()
+    assert counts == [3, 3], counts
+
+
 @pytest.mark.slow
 def test_idle_worker_statement_budget(dsn, start_worker, recorder_tables):
     """An idle worker for 60 s sends at most 10 statements to Postgres (expected 7-8: one keeper

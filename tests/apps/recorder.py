@@ -21,6 +21,7 @@ app.conf.update(
     broker_transport_options={
         "schema": SCHEMA,
         "lease_ttl": float(os.environ.get("PGJOBS_TEST_LEASE_TTL", "30")),
+        "application_name": os.environ.get("PGJOBS_TEST_APPNAME", "pgjobs"),
     },
     task_acks_late=os.environ.get("PGJOBS_TEST_ACKS_LATE", "1") == "1",
     worker_prefetch_multiplier=int(os.environ.get("PGJOBS_TEST_PREFETCH", "4")),
