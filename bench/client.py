@@ -21,16 +21,19 @@ import time
 from typing import Any
 
 RESULT_PREFIX = "BENCH-RESULT "
+GAP_MIN, GAP_MAX = 0.05, 1.05  # seconds between latency samples
 
 
 def _queue_op(purge: bool) -> int | None:
     """Declare the bench queue (so publishes never race its creation) and maybe purge it.
 
-    Returns the number of messages removed when the transport reports it.
+    Uses the app's connection pool, so a publish that follows reuses this connection and its
+    timing does not include connecting. Returns the number of messages removed when the
+    transport reports it.
     """
     from bench.app import QUEUE, app
 
-    with app.connection_for_write() as conn:
+    with app.pool.acquire(block=True) as conn:
         conn.ensure_connection(max_retries=1, timeout=10)
         channel = conn.default_channel
         queue = app.amqp.queues[QUEUE](channel)
@@ -68,7 +71,8 @@ def op_publish(args: argparse.Namespace) -> dict[str, Any]:
         for i in range(args.n):
             noop.delay(i)
     else:
-        label, publish = batch.load(args.batch_helper)
+        scheme = str(app.conf.broker_url or "").partition(":")[0]
+        label, publish = batch.load(args.batch_helper or batch.default_spec(scheme))
         t0 = time.perf_counter()
         publish(app, [noop.s(i) for i in range(args.n)])
     seconds = time.perf_counter() - t0
@@ -79,8 +83,10 @@ def op_publish(args: argparse.Namespace) -> dict[str, Any]:
 def op_latency(args: argparse.Namespace) -> dict[str, Any]:
     """Publish one task at a time to an idle worker; the task measures its own delay.
 
-    A random 20-120 ms pause after each sample lets the worker go back to its idle wait and
-    spreads the publishes over the phase of any polling interval.
+    After each sample a random pause, uniform in [GAP_MIN, GAP_MAX], lets the worker go back
+    to its idle wait and puts each publish at a random phase of any polling loop of up to
+    1 s (kombu's default ``polling_interval``). A short fixed pause would instead land every
+    publish just after the previous delivery and bias polling brokers towards a full period.
     """
     from bench.app import stamp
 
@@ -118,7 +124,7 @@ def op_latency(args: argparse.Namespace) -> dict[str, Any]:
             break
         if i >= args.warmup:
             delays.append(got)
-        time.sleep(rng.uniform(0.02, 0.12))
+        time.sleep(rng.uniform(GAP_MIN, GAP_MAX))
     return {"delays": delays, "timeouts": timeouts}
 
 

@@ -26,7 +26,7 @@ FIGURES = (
     Figure("latency_p50_ms", "idle latency p50 (ms)", "{:,.1f}", True),
     Figure("latency_p95_ms", "idle latency p95 (ms)", "{:,.1f}", True),
     Figure("idle_statements_per_min", "idle worker: statements/min", "{:,.1f}", False),
-    Figure("idle_xacts_per_min", "idle database: transactions/min", "{:,.1f}", False),
+    Figure("idle_xacts_per_min", "idle database: transactions/min (+autovacuum)", "{:,.1f}", False),
     Figure("idle_connections", "idle worker: connections held", "{:,.0f}", False),
 )
 
@@ -44,10 +44,6 @@ def summarize(values: list[float]) -> dict[str, float] | None:
 
 def _values(runs: list[dict[str, Any]], key: str) -> list[float]:
     return [r["figures"][key] for r in runs if key in r["figures"]]
-
-
-def _partial(runs: list[dict[str, Any]], key: str) -> bool:
-    return any(f"{key}_partial" in r["info"] for r in runs)
 
 
 def ratios(results: dict[str, dict[str, Any]], key: str, other: str) -> list[float]:
@@ -80,13 +76,14 @@ def build(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return summary
 
 
-def _cell(s: dict[str, float] | None, fmt: str, partial: bool = False) -> str:
+def _cell(s: dict[str, float] | None, fmt: str, runs: int) -> str:
+    """``median (min..max)``; ``[k/runs]`` when only k runs produced the figure."""
     if not s:
         return "-"
     text = fmt.format(s["median"])
     if s["n"] > 1:
         text += f" ({fmt.format(s['min'])}..{fmt.format(s['max'])})"
-    return text + (" (partial)" if partial else "")
+    return text + (f" [{s['n']}/{runs}]" if s["n"] < runs else "")
 
 
 def markdown(results: dict[str, dict[str, Any]], meta: dict[str, Any]) -> str:
@@ -103,10 +100,10 @@ def markdown(results: dict[str, dict[str, Any]], meta: dict[str, Any]) -> str:
                 row.append("skipped")
                 continue
             s = summary["brokers"][name].get(f.key)
-            row.append(_cell(s, f.fmt, _partial(res["runs"], f.key)))
+            row.append(_cell(s, f.fmt, len(res["runs"])))
         for o in ratio_cols:
             s = summary["ratios"].get(f"{REFERENCE}/{o}", {}).get(f.key)
-            row.append(_cell(s, "{:.2f}x") if f.ratio else "")
+            row.append(_cell(s, "{:.2f}x", meta["runs"]) if f.ratio else "")
         rows.append(row)
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
 
@@ -119,7 +116,8 @@ def markdown(results: dict[str, dict[str, Any]], meta: dict[str, Any]) -> str:
     sep = "|" + "|".join(dashes) + "|"
     out = [line(header), sep, *(line(r) for r in rows), ""]
     out.append(
-        f"N={meta['n']} tasks, {meta['runs']} run(s); cells: median (min..max) over runs; "
+        f"N={meta['n']} tasks, {meta['runs']} run(s); cells: median (min..max) over runs, "
+        "[k/runs] when only k runs produced the figure (see Notes); "
         "ratios are computed within each run, then summarized. "
         "Throughput ratios > 1 favour pgjobs; latency ratios < 1 favour pgjobs."
     )
@@ -154,12 +152,6 @@ def _notes(results: dict[str, dict[str, Any]]) -> list[str]:
             bits.append(f"idle statements via {', '.join(methods)}")
         notes.append(f"{name}: " + "; ".join(bits))
         for i, r in enumerate(runs, 1):
-            for key, value in sorted(r["info"].items()):
-                if key.endswith("_partial"):
-                    notes.append(
-                        f"{name} run {i}: (partial) {key[: -len('_partial')]} timed out, "
-                        f"{value} tasks ran; the rate shown is over the part that ran"
-                    )
             for err in r["errors"]:
-                notes.append(f"{name} run {i}: {err.splitlines()[0]}")
+                notes.append(f"{name} run {i}: failed: {err.splitlines()[0]}")
     return notes

@@ -34,14 +34,12 @@ class Worker:
         env: dict[str, str],
         state_dir: Path,
         cwd: Path,
-        app_name: str,
     ) -> None:
         self.pool = pool
         self.concurrency = concurrency
-        self.env = {**env, "PGAPPNAME": app_name}
+        self.env = env
         self.state_dir = state_dir
         self.cwd = cwd
-        self.app_name = app_name
         self.log_path = state_dir / f"worker-{pool}.log"
         self.proc: subprocess.Popen[bytes] | None = None
 
