@@ -444,6 +444,8 @@ class Transport(virtual.Transport):
         if self._due_at is not None and now >= self._due_at:
             self._due_at = None
             self._dirty.update(self._callbacks)
+        age = self.backend.oldest_ack_age()
+        acks_due = age is not None and age >= self.options.ack_flush_interval
         for channel in list(self.channels):
             if not channel._consumers or channel.closed:
                 continue
@@ -458,14 +460,16 @@ class Transport(virtual.Transport):
                 continue
             window = qos.prefetch_count or free
             unacked = len(qos._delivered) - len(qos._dirty)
-            if free < max(1, window // 2) and unacked > 0:
-                continue  # refill at the low-water mark, not per freed slot
+            if free < max(1, window // 2) and unacked > 0 and not acks_due:
+                # Refill at the low-water mark, not per freed slot; but acks that are due
+                # ride on a claim (which also refills) rather than on a statement of their own.
+                continue
             rows = self.claim_for(channel, queues, min(free, self.options.max_claim))
+            acks_due = False
             for row in rows:
                 self._deliver(self.to_message(row), row.queue)
             delivered += len(rows)
-        age = self.backend.oldest_ack_age()
-        if age is not None and age >= self.options.ack_flush_interval:
+        if acks_due:  # nothing to claim: the acks go alone
             with self._conn_lock:
                 self.backend.flush_acks(self._claim_conn())
         return delivered
