@@ -242,9 +242,14 @@ class Admin:
                 "duration ago (2h, 7d)") from None
         return value if value.tzinfo else value.replace(tzinfo=timezone.utc)
 
-    def _locate(self, ids: list[int]) -> dict[int, tuple[str, str]]:
+    def _locate(self, ids: list[int], *, prefer: str = "job") -> dict[int, tuple[str, str]]:
+        """id -> (place, state) for every id, or NotFound naming the missing ones. An id both
+        live and dead (a dead letter whose id a live row took) resolves to ``prefer``."""
         rows = self.conn.execute(self.q["admin_locate"], {"ids": ids}).fetchall()
-        found = {int(r[0]): (r[1], r[2]) for r in rows}
+        found: dict[int, tuple[str, str]] = {}
+        for job_id, place, state in rows:
+            if int(job_id) not in found or place == prefer:
+                found[int(job_id)] = (place, state)
         missing = [i for i in ids if i not in found]
         if missing:
             raise NotFound(f"no message or dead letter with id {', '.join(map(str, missing))}")
@@ -344,7 +349,7 @@ class Admin:
         if ids:
             wanted = _ids(ids)
             with self.conn.transaction():
-                found = self._locate(wanted)
+                found = self._locate(wanted, prefer="dead")
                 live = [i for i in wanted if found[i][0] != "dead"]
                 if live:
                     raise NotFound(
@@ -439,7 +444,7 @@ class Admin:
         wanted = _ids(ids) if ids else None
         if wanted is not None:
             with self.conn.transaction():
-                found = self._locate(wanted)
+                found = self._locate(wanted, prefer="dead")
                 live = [i for i in wanted if found[i][0] != "dead"]
                 if live:
                     raise NotFound(f"id {', '.join(map(str, live))} is not a dead letter: "

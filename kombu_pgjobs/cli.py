@@ -39,7 +39,9 @@ def _dsn(args: argparse.Namespace) -> str:
 
 @contextmanager
 def _admin(args: argparse.Namespace) -> Iterator[Admin]:
-    with connect(_dsn(args)) as conn:
+    # Unprepared: operator statements run rarely and with optional filters, where a custom plan
+    # per call beats the generic plan the transport's hot statements use.
+    with connect(_dsn(args), prepare=False) as conn:
         admin = Admin(conn, args.schema)
         admin.check_schema()
         yield admin
@@ -156,6 +158,8 @@ def _render_ls(result: dict[str, Any]) -> str:
     for r in result["items"]:
         r["when"] = _ts(r["died_at"] if r["state"] == "dead" else r["run_at"])
         r["holder"] = r["worker"] or r.get("reason")
+        if r.get("cancelled_at"):
+            r["state"] += " (cancelled)"
     return _render_page(result, [
         ("ID", "id"), ("QUEUE", "queue"), ("STATE", "state"), ("TASK", "task"),
         ("ATTEMPTS", "attempts"), ("PRI", "priority"), ("DUE/DIED", "when"),
@@ -268,8 +272,10 @@ def cmd_requeue(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_cancel(args: argparse.Namespace) -> dict[str, Any]:
-    """Cancel messages: ready/delayed ones are deleted; running ones are marked so they cannot
-    come back (their ack still deletes them)."""
+    """Cancel messages: ready/delayed ones are deleted, running ones marked so they never return.
+
+    A running message's holder may still finish and ack it; a requeue or a lapsed lease deletes
+    it instead of bringing it back."""
     with _admin(args) as admin:
         return admin.cancel(args.ids)
 

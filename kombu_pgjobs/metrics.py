@@ -130,7 +130,7 @@ class MetricsSource:
     def metrics(self) -> list[Metric]:
         with self._lock:
             if self._conn is None or self._conn.closed:
-                self._conn = connect(self.conninfo)
+                self._conn = connect(self.conninfo, prepare=False)
                 Admin(self._conn, self.schema).check_schema()
             return collect(Admin(self._conn, self.schema))
 

@@ -405,11 +405,15 @@ class Transport(virtual.Transport):
         backend = self.backend
         with self._conn_lock:
             conn = self._claim_conn()
+            # Clear before the claim: a NOTIFY read together with its result re-marks the
+            # queue (notify handler), and must not be erased by a clear that comes after.
+            self._dirty.difference_update(queues)
             acks = backend.take_acks()
             try:
                 result = backend.core.claim(conn, queues, n, acks)
             except BaseException:
                 backend.restore_acks(acks)
+                self._dirty.update(queues)
                 if conn.closed or conn.broken:
                     self._conn = None
                 raise
@@ -424,8 +428,9 @@ class Transport(virtual.Transport):
                     held.append((r.id, r.claim))
             if held:
                 backend.hold(held)
-        if result.drained:
-            self._dirty.difference_update(queues)
+        if not result.drained:
+            self._dirty.update(queues)  # more may be waiting
+        else:
             if result.due_in is not None:
                 due = time.monotonic() + max(result.due_in, 0.0)
                 if self._due_at is None or due < self._due_at:
@@ -554,7 +559,8 @@ class Transport(virtual.Transport):
             hub.call_soon(self._on_hub_event)  # more may be waiting: keep draining
             return
         now = time.monotonic()
-        at = now + self._wait_budget(now)
+        # At most a second: Celery's warm shutdown is a flag its loop checks between events.
+        at = now + min(self._wait_budget(now), 1.0)
         if self._hub_timer is None or at < self._hub_timer_at or self._hub_timer_at <= now:
             if self._hub_timer is not None:
                 self._hub_timer.cancel()

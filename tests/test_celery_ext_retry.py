@@ -145,13 +145,13 @@ def test_retry_rules_on_a_real_worker(db, url, start_worker, capsys, poison_tabl
     schema = poison_tables
     env = {"PGJOBS_TEST_CELERY_EXT": "1", "PGJOBS_TEST_RETRY_AFTER_MAX": "2"}
     app = poison_app(schema, url, **env)
-    start_worker(app=POISON, name="ext", concurrency=4, env=env)
     terminal = app.terminal.delay("t")
     app.rate_limited.delay("rl", 1.5, 1)      # names 1.5 s: waits 1.5 s, then succeeds
     app.rate_limited.delay("rc", 3600, 1)     # names an hour: clamped to retry_after_max=2
     app.flaky.delay("fl", 2)                  # retryable on Celery's backoff: 1 s, then 2 s
     exhausted = app.exhaust.delay("ex")       # retryable, max_retries=1: fails for good
     plain = app.unclassified.delay("uc")      # unclassified: Celery's behaviour (fails)
+    start_worker(app=POISON, name="ext", concurrency=4, env=env)
 
     # While "rc" waits for its retry, the retry is a delayed row in Postgres carrying the error.
     def delayed_retry() -> Any:

@@ -28,13 +28,20 @@ _ENV_KEYS = ("PGJOBS_TEST_LEASE_TTL", "PGJOBS_TEST_MAX_ATTEMPTS", "PGJOBS_TEST_R
 
 
 def poison_app(schema: str, url: str, **env: str) -> Any:
-    """Import tests/apps/poison.py in this process, configured exactly like the workers."""
+    """Import tests/apps/poison.py in this process, configured exactly like the workers (pass
+    the same ``env`` to start_worker). The environment is restored afterwards: the app read
+    its settings at import, and later workers must not inherit them."""
+    saved = dict(os.environ)
     for key in _ENV_KEYS:
         os.environ.pop(key, None)
     os.environ.update({"PGJOBS_TEST_SCHEMA": schema, "PGJOBS_TEST_BROKER": url,
                        "PGJOBS_TEST_DSN": DSN, **env})
-    sys.modules.pop("tests.apps.poison", None)
-    return importlib.import_module("tests.apps.poison")
+    try:
+        sys.modules.pop("tests.apps.poison", None)
+        return importlib.import_module("tests.apps.poison")
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 @pytest.fixture
@@ -149,11 +156,11 @@ def test_prefork_lost_child_requeues_until_the_final_attempt_then_dead(
     env = {"PGJOBS_TEST_CELERY_EXT": "0", "PGJOBS_TEST_MAX_ATTEMPTS": "3",
            "PGJOBS_TEST_REJECT_ON_LOST": "1", "PGJOBS_TEST_PREFETCH": "1"}
     app = poison_app(schema, url, **env)
-    w = start_worker(app=POISON, name="prefork", pool="prefork", concurrency=1, env=env)
     began = time.monotonic()
     app.die.delay("poison")
     for i in range(5):
         app.record.delay(f"r{i}")
+    w = start_worker(app=POISON, name="prefork", pool="prefork", concurrency=1, env=env)
     wait_for(lambda: dead_for(db, schema, "poison.die"), 60, what="the dead letter")
     assert time.monotonic() - began < 25, "requeued by the worker, not rescued after a lease"
     (dead,) = dead_for(db, schema, "poison.die")
@@ -170,12 +177,12 @@ def test_reject_and_final_failures_become_dead_letters_and_requeue_runs_them_aga
     schema = poison_tables
     env = {"PGJOBS_TEST_CELERY_EXT": "1"}
     app = poison_app(schema, url, **env)
-    start_worker(app=POISON, name="ext", concurrency=2, env=env)
     rejected = app.reject.delay("rj")
     failed = app.fail.delay("f1")
     fixable = app.fail_until_fixed.delay("fx")
     job_ids = dict(db.execute(
         f"SELECT message -> 'headers' ->> 'id', id FROM \"{schema}\".pgjobs_job").fetchall())
+    start_worker(app=POISON, name="ext", concurrency=2, env=env)
     wait_for(lambda: len(dead_rows(db, schema)) == 3, 60, what="three dead letters")
     by_task = {d["task_id"]: d for d in dead_rows(db, schema)}
     assert set(by_task) == {rejected.id, failed.id, fixable.id}, "one dead letter each"
@@ -222,9 +229,9 @@ def test_plain_app_failures_and_ack_before_run(db, poison_tables, url, start_wor
     schema = poison_tables
     plain = {"PGJOBS_TEST_CELERY_EXT": "0"}
     app = poison_app(schema, url, **plain)
-    w = start_worker(app=POISON, name="plain", concurrency=2, env=plain)
     app.fail.delay("pf")
     rejecting = app.fail_rejecting.delay("pr")
+    w = start_worker(app=POISON, name="plain", concurrency=2, env=plain)
     wait_or_explain(lambda: starts(db, schema, "pf") == 1 and dead_rows(db, schema), 30,
                     "both failures", db, schema, w)
     time.sleep(1.0)  # a dead letter for pf would show now
@@ -235,8 +242,8 @@ def test_plain_app_failures_and_ack_before_run(db, poison_tables, url, start_wor
 
     ext = {"PGJOBS_TEST_CELERY_EXT": "1", "PGJOBS_TEST_ACKS_LATE": "0"}
     app = poison_app(schema, url, **ext)
-    start_worker(app=POISON, name="early-ack", concurrency=2, env=ext)
     early = app.fail_until_fixed.delay("early")
+    start_worker(app=POISON, name="early-ack", concurrency=2, env=ext)
     wait_for(lambda: len(dead_rows(db, schema)) == 2, 30, what="the early-acked failure")
     rebuilt = next(d for d in dead_rows(db, schema) if d["task_id"] == early.id)
     assert rebuilt["reason"] == "failed" and rebuilt["error"]["type"] == "builtins.RuntimeError"
@@ -252,8 +259,8 @@ def test_pause_stops_claims_and_resume_wakes_the_worker(db, poison_tables, url, 
     schema = poison_tables
     env = {"PGJOBS_TEST_CELERY_EXT": "0"}
     app = poison_app(schema, url, **env)
-    start_worker(app=POISON, name="w", concurrency=2, env=env)
     app.record.delay("before")
+    start_worker(app=POISON, name="w", concurrency=2, env=env)
     wait_for(lambda: runs(db, schema).get("before") == 1, 30, what="a task before the pause")
 
     code, out = run_cli(capsys, schema, url, "pause", "celery")

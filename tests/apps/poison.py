@@ -83,6 +83,12 @@ def _fixed(label: str) -> bool:
     return bool(row and row[0])
 
 
+def task(**options: object) -> object:
+    """app.task, unshared: tests import this module afresh for each configuration, and shared
+    tasks would register themselves with every later app too."""
+    return app.task(shared=False, **options)
+
+
 class PermanentError(Exception):
     """Bad input: retrying cannot help."""
 
@@ -99,38 +105,38 @@ class Flaky(ConnectionError):
     """A transient network error."""
 
 
-@app.task(name="poison.record")
+@task(name="poison.record")
 def record(label: str) -> None:
     _record(label)
 
 
-@app.task(name="poison.die", max_attempts=3)
+@task(name="poison.die", max_attempts=3)
 def die(label: str) -> None:
     """Kills the process that runs it, every time (a poison message)."""
     _start(label)
     os._exit(13)
 
 
-@app.task(name="poison.reject")
+@task(name="poison.reject")
 def reject(label: str) -> None:
     _start(label)
     raise Reject(f"{label}: refused", requeue=False)
 
 
-@app.task(name="poison.fail")
+@task(name="poison.fail")
 def fail(label: str) -> None:
     _start(label)
     raise ValueError(f"boom {label}")
 
 
-@app.task(name="poison.fail_rejecting", acks_on_failure_or_timeout=False)
+@task(name="poison.fail_rejecting", acks_on_failure_or_timeout=False)
 def fail_rejecting(label: str) -> None:
     """acks_late + acks_on_failure_or_timeout=False: Celery rejects the failure (no requeue)."""
     _start(label)
     raise ValueError(f"boom {label}")
 
 
-@app.task(name="poison.fail_until_fixed")
+@task(name="poison.fail_until_fixed")
 def fail_until_fixed(label: str) -> None:
     _start(label)
     if not _fixed(label):
@@ -138,14 +144,14 @@ def fail_until_fixed(label: str) -> None:
     _record(label)
 
 
-@app.task(name="poison.terminal", autoretry_for=(Exception,), max_retries=5,
+@task(name="poison.terminal", autoretry_for=(Exception,), max_retries=5,
           default_retry_delay=0, terminal=(PermanentError,))
 def terminal(label: str) -> None:
     _start(label)
     raise PermanentError(f"{label}: bad input")
 
 
-@app.task(name="poison.rate_limited", max_retries=3, retry_after=(TooManyRequests,),
+@task(name="poison.rate_limited", max_retries=3, retry_after=(TooManyRequests,),
           retry_after_max=float(os.environ.get("PGJOBS_TEST_RETRY_AFTER_MAX", "3600")),
           retry_after_jitter=0)
 def rate_limited(label: str, seconds: float, times: int) -> None:
@@ -154,7 +160,7 @@ def rate_limited(label: str, seconds: float, times: int) -> None:
     _record(label)
 
 
-@app.task(name="poison.flaky", max_retries=4, retryable=(Flaky,), retry_backoff=1,
+@task(name="poison.flaky", max_retries=4, retryable=(Flaky,), retry_backoff=1,
           retry_backoff_max=2, retry_jitter=False)
 def flaky(label: str, times: int) -> None:
     if _start(label) <= times:
@@ -162,19 +168,19 @@ def flaky(label: str, times: int) -> None:
     _record(label)
 
 
-@app.task(name="poison.exhaust", max_retries=1, retryable=(Flaky,), default_retry_delay=0)
+@task(name="poison.exhaust", max_retries=1, retryable=(Flaky,), default_retry_delay=0)
 def exhaust(label: str) -> None:
     _start(label)
     raise Flaky(f"{label}: connection reset")
 
 
-@app.task(name="poison.unclassified")
+@task(name="poison.unclassified")
 def unclassified(label: str) -> None:
     _start(label)
     raise KeyError(label)
 
 
-@app.task(name="poison.sleep")
+@task(name="poison.sleep")
 def sleep(label: str, seconds: float) -> None:
     _start(label)
     time.sleep(seconds)

@@ -1,0 +1,156 @@
+"""A task that fails for good becomes a dead letter, with its error, without changing task code.
+
+Celery settles a failed message itself (acked, the default) and stores the failure in the
+result backend; nothing in the broker would remember it. celery_ext listens to ``task_failure``
+(sent in the process that ran the task, or in the worker's main process when a pool child was
+lost) and records a dead letter: the exception type, message and traceback, and the rule that
+stopped the task (see :mod:`celery_ext.retry`). ``pgjobs dead requeue`` then runs it again.
+
+Not recorded here, because the transport already dead-letters them: ``Reject(requeue=False)``,
+and failures of ``acks_late`` tasks configured to reject on failure
+(``acks_on_failure_or_timeout=False``): Celery rejects those without requeue, which pgjobs turns
+into a dead letter (reason ``rejected``), and a second one would run the task twice on requeue.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import os
+import traceback as tb_module
+import uuid
+from typing import Any
+
+from celery.exceptions import Ignore, Reject, Retry, TimeLimitExceeded
+from kombu.serialization import dumps
+
+from kombu_pgjobs.admin import record_dead_letter
+from kombu_pgjobs.backend import Backend
+from kombu_pgjobs.transport import Transport as PgJobsTransport
+from kombu_pgjobs.transport import parse_tag
+
+from .retry import rule_of
+from .state import installed
+
+__all__ = ["on_task_failure", "rebuild_message"]
+
+log = logging.getLogger("celery_ext")
+
+#: Celery protocol 2 headers, copied from the request when the original row is gone
+_HEADERS = ("lang", "task", "id", "shadow", "eta", "expires", "group", "group_index",
+            "retries", "timelimit", "root_id", "parent_id", "argsrepr", "kwargsrepr", "origin",
+            "ignore_result", "replaced_task_nesting", "stamped_headers", "stamps")
+_MAX_TEXT = 64 * 1024
+_backends: dict[int, tuple[int, Backend | None]] = {}
+
+
+def _backend(app: Any) -> Backend | None:
+    """This process's pgjobs backend for the app's broker (None when it is not pgjobs)."""
+    hit = _backends.get(id(app))
+    if hit is not None and hit[0] == os.getpid():
+        return hit[1]
+    with app.pool.acquire(block=True, timeout=10) as conn:
+        transport = conn.transport
+        backend = transport.backend if isinstance(transport, PgJobsTransport) else None
+    _backends[id(app)] = (os.getpid(), backend)
+    return backend
+
+
+def _transport_buries(task: Any, exc: BaseException) -> bool:
+    """Will Celery reject this failure without requeue (so pgjobs dead-letters it itself)?"""
+    if not getattr(task, "acks_late", False):
+        return False
+    flag = getattr(task, "acks_on_timeout" if isinstance(exc, TimeLimitExceeded)
+                   else "acks_on_failure", None)
+    if flag is None:
+        flag = getattr(task, "acks_on_failure_or_timeout", True)
+    return not flag
+
+
+def rebuild_message(task: Any, request: Any) -> dict[str, Any]:
+    """The kombu message of a request whose row is gone (acked before it ran: ``acks_late``
+    off), rebuilt so that ``pgjobs dead requeue`` gives Celery a message it can run."""
+    data = request.__dict__
+    headers = {k: data[k] for k in _HEADERS if k in data}
+    headers.update(request.headers or {})
+    headers.update({"lang": "py", "task": task.name, "eta": None})
+    embed = {"callbacks": request.callbacks, "errbacks": request.errbacks,
+             "chain": request.chain, "chord": request.chord}
+    serializer = task.serializer or task.app.conf.task_serializer
+    content_type, encoding, body = dumps(
+        [list(request.args or ()), dict(request.kwargs or {}), embed], serializer=serializer)
+    raw = body if isinstance(body, bytes) else body.encode(encoding or "utf-8")
+    info = request.delivery_info or {}
+    return {
+        "body": base64.b64encode(raw).decode("ascii"),
+        "content-encoding": encoding,
+        "content-type": content_type,
+        "headers": headers,
+        "properties": {
+            "correlation_id": request.correlation_id or request.id,
+            "reply_to": request.reply_to,
+            "delivery_mode": 2,
+            "delivery_info": {"exchange": info.get("exchange") or "",
+                              "routing_key": info.get("routing_key")},
+            "priority": info.get("priority") or 0,
+            "body_encoding": "base64",
+            "delivery_tag": str(uuid.uuid4()),
+        },
+    }
+
+
+def _error(task: Any, request: Any, exc: BaseException, einfo: Any) -> dict[str, Any]:
+    text = getattr(einfo, "traceback", None) or "".join(
+        tb_module.format_exception(type(exc), exc, exc.__traceback__))
+    return {
+        "type": f"{type(exc).__module__}.{type(exc).__qualname__}",
+        "message": str(exc)[:_MAX_TEXT],
+        "traceback": str(text)[-_MAX_TEXT:],
+        "rule": rule_of(exc),
+        "task_id": request.id,
+        "retries": request.retries,
+        "max_retries": task.max_retries,
+        "hostname": request.hostname,
+    }
+
+
+def on_task_failure(sender: Any = None, exception: BaseException | None = None,
+                    einfo: Any = None, **_: Any) -> None:
+    """Signal receiver. Never raises: a dead letter that cannot be written is logged, and the
+    failure is still in Celery's result backend."""
+    task = sender
+    app = getattr(task, "app", None)
+    if app is None or not installed(app) or not getattr(task, "dead_letter", True):
+        return
+    if exception is None or isinstance(exception, (Reject, Ignore, Retry)):
+        return
+    request = task.request
+    if request is None or request.called_directly or request.is_eager or request.id is None:
+        return
+    if _transport_buries(task, exception):
+        return
+    try:
+        backend = _backend(app)
+        if backend is None:
+            return
+        props = request.properties or {}
+        pair = parse_tag(props.get("delivery_tag"))
+        info = request.delivery_info or {}
+        queue = info.get("routing_key") or task.queue or app.conf.task_default_queue
+        error = _error(task, request, exception, einfo)
+        try:
+            message: dict[str, Any] = rebuild_message(task, request)
+        except Exception as exc:  # arguments the serializer refuses: keep what we know
+            message = {"headers": {"task": task.name, "id": request.id}, "body": None,
+                       "x-pgjobs-unrebuildable": str(exc)[:500]}
+        dead_id = backend.publishing(lambda conn: record_dead_letter(
+            conn, backend.options.schema, queue=queue, task=task.name, message=message,
+            reason="failed", error={**error, "job_id": pair[0] if pair else None}, job=pair,
+            priority=int(info.get("priority") or 0), attempts=1,
+            max_attempts=getattr(task, "max_attempts", None), shard=backend.worker))
+        log.info("celery_ext.dead_letter.recorded task=%s id=%s dead_letter=%s rule=%s",
+                 task.name, request.id, dead_id, error["rule"],
+                 extra={"action": "celery_ext.dead_letter.recorded", "dead_letter": dead_id})
+    except Exception:
+        log.exception("celery_ext.dead_letter.failed task=%s id=%s", task.name, request.id,
+                      extra={"action": "celery_ext.dead_letter.failed"})
