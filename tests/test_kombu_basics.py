@@ -22,6 +22,8 @@ from psycopg.rows import dict_row
 
 from kombu_pgjobs.core import QueueCore
 
+from .conftest import wait_for
+
 
 # -- helpers --------------------------------------------------------------------------------------
 @pytest.fixture
@@ -51,18 +53,6 @@ def _dead(db: psycopg.Connection[Any], schema: str) -> list[dict[str, Any]]:
         return cur.execute(
             f'SELECT id, queue, reason, claim, attempts FROM "{schema}".pgjobs_dead_letter '
             'ORDER BY id').fetchall()
-
-
-def _until(predicate: Callable[[], Any], timeout: float, what: str,
-           interval: float = 0.05) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
 
 
 def _drain_until(conn: kombu.Connection, done: Callable[[], bool], timeout: float,
@@ -287,7 +277,7 @@ def test_message_expiration_is_not_delivered_after_it_expired(connect, db, schem
             assert len(short) == 1
             assert timedelta(0) < short[0]["expires_at"] - short[0]["run_at"] \
                 <= timedelta(seconds=0.5)
-            _until(lambda: _all_expired(db, schema), 5, "the message to expire")
+            wait_for(lambda: _all_expired(db, schema), 5, what="the message to expire")
             message = queue.get(timeout=2)
             assert message.payload == {"m": "kept"}
             message.ack()
@@ -310,7 +300,7 @@ def test_queue_message_ttl(connect, db, schema, declared):
         assert ttl_ms == 500
         [row] = _jobs(db, schema)
         assert row["expires_at"] is not None
-        _until(lambda: _all_expired(db, schema), 5, "the queue TTL to lapse")
+        wait_for(lambda: _all_expired(db, schema), 5, what="the queue TTL to lapse")
         producer.publish({"m": "new"}, routing_key="ttlq")
         bound = q.bind(conn.default_channel)
         message = bound.get()
