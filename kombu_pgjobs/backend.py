@@ -29,7 +29,7 @@ from .batching import pending
 from .core import NewJob, Pair, QueueCore
 from .database import connect
 from .errors import MigrationError, PgJobsError
-from .events import EVENTS
+from .events import log_event
 from .options import TransportOptions
 from .schema import current_version as schema_version
 from .schema import latest_version, migrate
@@ -40,13 +40,6 @@ log = logging.getLogger("kombu_pgjobs")
 
 _backends: dict[tuple[str, TransportOptions], Backend] = {}
 _backends_lock = threading.Lock()
-
-
-def _log_event(name: str, level: int = logging.WARNING, **fields: Any) -> None:
-    code, meaning = EVENTS[name]
-    log.log(level, "%s [%s] %s %s", name, code, meaning,
-            " ".join(f"{k}={v}" for k, v in fields.items()),
-            extra={"action": name, "code": code, **fields})
 
 
 def backend_for(conninfo: str, options: TransportOptions) -> Backend:
@@ -175,15 +168,19 @@ class Backend:
             acks, self._acks = self._acks, []
         return [(a[0], a[1]) for a in acks]
 
-    def settled(self, sent: list[Pair], hit: set[int], action: str) -> None:
-        """Forget settled leases; log fenced misses (never raise at Celery)."""
+    def forget(self, pairs: list[Pair]) -> None:
+        """Stop renewing these leases (settled, or lost)."""
         with self._held_lock:
-            for job_id, claim in sent:
+            for job_id, claim in pairs:
                 if self.held.get(job_id) == claim:
                     del self.held[job_id]
+
+    def settled(self, sent: list[Pair], hit: set[int], action: str) -> None:
+        """Forget settled leases; log fenced misses (never raise at Celery)."""
+        self.forget(sent)
         for job_id, claim in sent:
             if job_id not in hit:
-                _log_event("pgjobs.settle.unowned", job_id=job_id, fence=claim, settle=action)
+                log_event("pgjobs.settle.unowned", job_id=job_id, fence=claim, settle=action)
 
     def flush_acks(self, conn: psycopg.Connection[Any]) -> int:
         acks = self.take_acks()
@@ -315,18 +312,15 @@ class Keeper(threading.Thread):
             alive = core.renew(conn, held)
             lost = [(i, c) for i, c in held if i not in alive]
             if lost:
-                with b._held_lock:
-                    for i, c in lost:
-                        if b.held.get(i) == c:
-                            del b.held[i]
+                b.forget(lost)
                 for i, c in lost:
-                    _log_event("pgjobs.lease.lost", job_id=i, fence=c)
+                    log_event("pgjobs.lease.lost", job_id=i, fence=c)
         outcomes = core.maintain(conn, consumed=list(b.consumed), held=len(b.held),
                                  grace=3 * b.options.tick_interval)
         for outcome, job_id, queue in outcomes:
             if outcome == "buried":
-                _log_event("pgjobs.claim.buried", job_id=job_id, queue=queue)
+                log_event("pgjobs.claim.buried", job_id=job_id, queue=queue)
             elif outcome == "requeued":
-                _log_event("pgjobs.lease.rescued", logging.INFO, job_id=job_id, queue=queue)
+                log_event("pgjobs.lease.rescued", logging.INFO, job_id=job_id, queue=queue)
             elif outcome == "queue_expired":
-                _log_event("pgjobs.queue.expired", logging.INFO, queue=queue)
+                log_event("pgjobs.queue.expired", logging.INFO, queue=queue)

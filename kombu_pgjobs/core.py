@@ -9,7 +9,6 @@ the row and its NOTIFY are committed together; when it rolls back, neither exist
 from __future__ import annotations
 
 import json
-import logging
 import math
 import os
 import socket
@@ -22,6 +21,7 @@ import psycopg
 from psycopg.types.json import Jsonb
 
 from .errors import MessageError
+from .events import log_event
 from .options import validate_queue_name, validate_schema_name
 from .sql import queries
 
@@ -35,7 +35,6 @@ __all__ = [
     "job_from_message",
 ]
 
-log = logging.getLogger("kombu_pgjobs")
 
 JobId = NewType("JobId", int)
 #: Header a publisher (celery_ext) may set to override the max_attempts transport option.
@@ -206,10 +205,9 @@ class QueueCore:
         return ClaimResult(claimed, acked, due_in, drained)
 
     def ack(self, conn: psycopg.Connection, pairs: Sequence[Pair]) -> set[int]:
-        """Fenced delete of acked messages; returns the ids that were still held."""
-        ids, claims = _pairs(pairs)
-        return {r[0] for r in conn.execute(
-            self.q["job_ack"], {"ids": ids, "claims": claims, "worker": self.worker}).fetchall()}
+        """Fenced delete of acked messages when no claim follows soon: the claim statement
+        with nothing to claim. Returns the ids that were still held."""
+        return self.claim(conn, (), 0, pairs).acked
 
     def requeue(self, conn: psycopg.Connection, pairs: Sequence[Pair], *,
                 uncount: bool) -> set[int]:
@@ -223,8 +221,7 @@ class QueueCore:
         }).fetchall()
         for job_id, outcome, _ in rows:
             if outcome == "dead":
-                log.warning("pgjobs.claim.buried [PGJ-203] requeued on its final attempt",
-                            extra={"action": "pgjobs.claim.buried", "job_id": job_id})
+                log_event("pgjobs.claim.buried", job_id=job_id, reason="max_attempts")
         return {r[0] for r in rows}
 
     def bury(self, conn: psycopg.Connection, pairs: Sequence[Pair], *, reason: str,

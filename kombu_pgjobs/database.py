@@ -28,13 +28,9 @@ def conninfo_from_parts(*, host: str | None, port: int | None, user: str | None,
                         password: str | None, dbname: str | None,
                         options: TransportOptions) -> str:
     """Build a libpq conninfo; with no host, start or reuse the embedded server."""
-    if dbname in (None, "", "/"):
-        dbname = None
-    if dbname is not None:
-        dbname = dbname.strip("/") if dbname.count("/") == 1 and dbname.startswith("/") \
-            else dbname
-        if "/" in dbname or not dbname:
-            raise InvalidURL(f"database name {dbname!r} is invalid: use pgjobs://host/dbname")
+    dbname = (dbname or "").removeprefix("/") or None  # kombu gives "/" for no path
+    if dbname is not None and "/" in dbname:
+        raise InvalidURL(f"database name {dbname!r} is invalid: use pgjobs://host/dbname")
     if port is not None and not 0 < int(port) < 65536:
         raise InvalidURL(f"port {port!r} is out of range 1-65535")
     extra: dict[str, Any] = dict(options.connect_options or {})

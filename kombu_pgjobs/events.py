@@ -6,7 +6,12 @@ a stable name and code, so operators can alert on them.
 
 from __future__ import annotations
 
-__all__ = ["EVENTS"]
+import logging
+from typing import Any
+
+__all__ = ["EVENTS", "log_event"]
+
+log = logging.getLogger("kombu_pgjobs")
 
 #: event name -> (code, meaning)
 EVENTS: dict[str, tuple[str, str]] = {
@@ -22,3 +27,11 @@ EVENTS: dict[str, tuple[str, str]] = {
         "PGJ-204", "a message whose lease lapsed was put back to ready"),
     "pgjobs.queue.expired": ("PGJ-205", "a queue unused past its x-expires was dropped"),
 }
+
+
+def log_event(name: str, level: int = logging.WARNING, **fields: Any) -> None:
+    """Log a named event with its stable code and structured fields (never a payload)."""
+    code, meaning = EVENTS[name]
+    log.log(level, "%s [%s] %s %s", name, code, meaning,
+            " ".join(f"{k}={v}" for k, v in fields.items()),
+            extra={"action": name, "code": code, **fields})

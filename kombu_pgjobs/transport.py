@@ -40,7 +40,6 @@ import select
 import threading
 import time
 from collections.abc import Iterable
-from queue import Empty
 from typing import Any
 
 import psycopg
@@ -229,13 +228,6 @@ class Channel(virtual.Channel):
         return int(self.backend.publishing(lambda c: self.backend.core.size(c, queue)))
 
     # -- consume -------------------------------------------------------------------------
-    def _get(self, queue: str, timeout: float | None = None) -> dict[str, Any]:
-        """basic_get: claim exactly one message."""
-        rows = self.connection.claim_for(self, [queue], 1)
-        if not rows:
-            raise Empty()
-        return self.connection.to_message(rows[0])
-
     def basic_get(self, queue: str, no_ack: bool = False, **kwargs: Any) -> Any:
         """Claim exactly one message; with ``no_ack`` it is settled as soon as it is taken."""
         rows = self.connection.claim_for(self, [queue], 1, no_ack=no_ack)

@@ -94,21 +94,6 @@ SELECT 'n', NULL, NULL, NULL, NULL,
          WHERE j.queue = ANY(%(queues)s::text[]) AND j.state = 'ready' AND j.run_at > now())
  WHERE (SELECT count(*) FROM claimed) < %(n)s;
 
--- name: job_ack :many
--- Fenced ack of buffered (id, claim) pairs when no claim follows soon. Returns the ids it hit.
-WITH acked AS (
-    DELETE FROM {schema}.pgjobs_job AS j
-     USING unnest(%(ids)s::bigint[], %(claims)s::int[]) AS a(id, claim)
-     WHERE j.id = a.id AND j.claim = a.claim AND j.state = 'running'
-    RETURNING j.id, j.queue
-), acked_count AS (
-    INSERT INTO {schema}.pgjobs_counter AS c (queue, outcome, bucket, shard, n)
-    SELECT queue, 'acked', date_trunc('minute', now()), %(worker)s, count(*)
-      FROM acked GROUP BY queue
-    ON CONFLICT (queue, outcome, bucket, shard) DO UPDATE SET n = c.n + excluded.n
-)
-SELECT id FROM acked;
-
 -- name: job_requeue :many
 -- Fenced requeue (basic_reject requeue=True, warm-shutdown restore). When %(uncount)s, the
 -- delivery does not count as an attempt (the message never started). A message on its final
