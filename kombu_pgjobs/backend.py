@@ -86,8 +86,9 @@ class Backend:
         self._acks: list[tuple[int, int, float]] = []
         self._acks_lock = threading.Lock()
         self._ack_listeners: list[Callable[[], None]] = []
-        # leases this process holds: id -> claim
+        # leases this process holds: id -> claim; and which of them hold concurrency slots
         self.held: dict[int, int] = {}
+        self.limited: set[int] = set()
         self._held_lock = threading.Lock()
         self.consumed: dict[str, int] = {}
         self._keeper: Keeper | None = None
@@ -174,6 +175,17 @@ class Backend:
             for job_id, claim in pairs:
                 if self.held.get(job_id) == claim:
                     del self.held[job_id]
+                    self.limited.discard(job_id)
+
+    def split_limited(self, pairs: list[Pair]) -> tuple[list[Pair], list[Pair]]:
+        """(acks of messages holding concurrency slots, the others)."""
+        if not self.limited:
+            return [], pairs
+        with self._held_lock:
+            limited = [p for p in pairs if p[0] in self.limited]
+        if not limited:
+            return [], pairs
+        return limited, [p for p in pairs if p[0] not in self.limited]
 
     def settled(self, sent: list[Pair], hit: set[int], action: str) -> None:
         """Forget settled leases; log fenced misses (never raise at Celery)."""
@@ -200,10 +212,12 @@ class Backend:
             self._acks[:0] = [(i, c, now) for i, c in acks]
 
     # -- leases --------------------------------------------------------------------------
-    def hold(self, pairs: list[Pair]) -> None:
+    def hold(self, pairs: list[Pair], limited: list[int] | None = None) -> None:
         with self._held_lock:
             for job_id, claim in pairs:
                 self.held[job_id] = claim
+            if limited:
+                self.limited.update(limited)
         self.keeper()
 
     def held_pairs(self) -> list[Pair]:
@@ -318,7 +332,11 @@ class Keeper(threading.Thread):
         outcomes = core.maintain(conn, consumed=list(b.consumed), held=len(b.held),
                                  grace=3 * b.options.tick_interval)
         for outcome, job_id, queue in outcomes:
-            if outcome == "buried":
+            if outcome == "release":  # slots whose holder is gone: free them, wake waiters
+                core.release_orphans(conn)
+            elif outcome == "woken":
+                log_event("pgjobs.limit.woken", logging.INFO, job_id=job_id, queue=queue)
+            elif outcome == "buried":
                 log_event("pgjobs.claim.buried", job_id=job_id, queue=queue)
             elif outcome == "requeued":
                 log_event("pgjobs.lease.rescued", logging.INFO, job_id=job_id, queue=queue)

@@ -13,7 +13,7 @@ import math
 import os
 import socket
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, NewType
 
@@ -22,6 +22,8 @@ from psycopg.types.json import Jsonb
 
 from .errors import MessageError
 from .events import log_event
+from .limits import LIMITS_HEADER
+from .limits import normalise as normalise_limits
 from .options import validate_queue_name, validate_schema_name
 from .sql import queries
 
@@ -29,6 +31,7 @@ __all__ = [
     "MAX_ATTEMPTS_HEADER",
     "ClaimResult",
     "Claimed",
+    "HeldBack",
     "JobId",
     "NewJob",
     "QueueCore",
@@ -54,6 +57,8 @@ class NewJob:
     max_attempts: int | None
     task: str | None
     message: str
+    #: validated x-pgjobs-limits header as JSON (None: no limits)
+    limits: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +67,18 @@ class Claimed:
     claim: int
     queue: str
     message: str
+    #: holds concurrency slots: its ack must release them (see QueueCore.claim)
+    limited: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class HeldBack:
+    """A candidate a limit kept from this claim: parked (full), refused (fail), deferred
+    to its rate's next window (later), or left for the next round (busy)."""
+
+    id: int
+    verdict: str
+    key: str | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +89,10 @@ class ClaimResult:
     due_in: float | None
     #: True when fewer rows than asked were claimable (the queues are drained for now)
     drained: bool
+    #: candidates held back by a limit (the queues are not drained: claim again)
+    held_back: list[HeldBack] = field(default_factory=list)
+    #: acked pairs the claim left alone: limited ones, to settle with :meth:`QueueCore.ack`
+    unsettled: list[Pair] = field(default_factory=list)
 
 
 def _parse_eta(value: Any) -> datetime | None:
@@ -119,12 +140,13 @@ def job_from_message(queue: str, message: Mapping[str, Any]) -> NewJob:
     max_attempts = None if raw_max is None else int(
         _number(MAX_ATTEMPTS_HEADER, raw_max, minimum=1, maximum=1_000_000))
     task = headers.get("task")
+    limits = normalise_limits(headers.get(LIMITS_HEADER))
     try:
         text = json.dumps(message, separators=(",", ":"))
     except (TypeError, ValueError) as exc:
         raise MessageError(f"message is not JSON-serializable: {exc}") from None
     return NewJob(queue, priority, _parse_eta(headers.get("eta")), ttl_ms, max_attempts,
-                  task if isinstance(task, str) else None, text)
+                  task if isinstance(task, str) else None, text, limits)
 
 
 def _pairs(pairs: Iterable[Pair]) -> tuple[list[int], list[int]]:
@@ -155,7 +177,7 @@ class QueueCore:
         conn.execute(self.q["job_insert"], {
             "queue": job.queue, "priority": job.priority, "run_at": job.run_at,
             "ttl_ms": job.ttl_ms, "max_attempts": job.max_attempts, "task": job.task,
-            "message": job.message,
+            "limits": job.limits, "message": job.message,
         })
 
     def publish_many(self, conn: psycopg.Connection, jobs: Sequence[NewJob]) -> int:
@@ -169,6 +191,7 @@ class QueueCore:
             "ttl_ms": [j.ttl_ms for j in jobs],
             "max_attempts": [j.max_attempts for j in jobs],
             "task": [j.task for j in jobs],
+            "limits": [j.limits for j in jobs],
             "message": [j.message for j in jobs],
         })
         return len(jobs)
@@ -178,36 +201,53 @@ class QueueCore:
         conn.execute(self.q["job_insert_fanout"], {
             "exchange": exchange, "priority": job.priority, "run_at": job.run_at,
             "ttl_ms": job.ttl_ms, "max_attempts": job.max_attempts, "task": job.task,
-            "message": job.message,
+            "limits": job.limits, "message": job.message,
         })
 
     # -- claim and settle ----------------------------------------------------------------
     def claim(self, conn: psycopg.Connection, queues: Sequence[str], n: int,
               acks: Sequence[Pair] = ()) -> ClaimResult:
-        """Flush fenced acks and claim up to ``n`` due messages, in one round trip."""
+        """Flush fenced acks and claim up to ``n`` due messages, in one round trip.
+
+        Acks of limited messages release slots, which a claim (n > 0) must not do in its own
+        transaction (see job_claim): they come back in ``unsettled`` for :meth:`ack`."""
         ack_ids, ack_claims = _pairs(acks)
         rows = conn.execute(self.q["job_claim"], {
             "ack_ids": ack_ids, "ack_claims": ack_claims, "queues": list(queues), "n": n,
-            "ttl": self.lease_ttl, "worker": self.worker,
+            "ttl": self.lease_ttl, "worker": self.worker, "channel": self.channel,
         }).fetchall()
         claimed: list[Claimed] = []
         acked: set[int] = set()
+        held_back: list[HeldBack] = []
         due_in: float | None = None
         drained = False
-        for kind, job_id, claim, queue, message, due in rows:
+        for kind, job_id, claim, queue, message, due, limited, on_key in rows:
             if kind == "c":
-                claimed.append(Claimed(job_id, claim, queue, message))
+                claimed.append(Claimed(job_id, claim, queue, message, bool(limited)))
             elif kind == "a":
                 acked.add(job_id)
-            else:
+            elif kind == "h":
+                held_back.append(HeldBack(job_id, message, on_key))
+            elif kind == "n":
                 drained = True
                 due_in = due
-        return ClaimResult(claimed, acked, due_in, drained)
+        for h in held_back:
+            if h.verdict == "refused":
+                log_event("pgjobs.limit.refused", job_id=h.id, key=h.key)
+        unsettled = [p for p in acks if p[0] not in acked] if n > 0 else []
+        return ClaimResult(claimed, acked, due_in, drained, held_back, unsettled)
 
     def ack(self, conn: psycopg.Connection, pairs: Sequence[Pair]) -> set[int]:
-        """Fenced delete of acked messages when no claim follows soon: the claim statement
-        with nothing to claim. Returns the ids that were still held."""
+        """Fenced delete of acked messages (and release of their slots) when no claim goes
+        with them: the claim statement with nothing to claim. Returns the ids still held."""
         return self.claim(conn, (), 0, pairs).acked
+
+    def release_orphans(self, conn: psycopg.Connection, *, limit: int = 1000) -> int:
+        """Free slots whose holder is gone and wake rows parked on them (the keeper, when
+        :meth:`maintain` says so). Returns the number of rows woken."""
+        row = conn.execute(self.q["job_release_orphans"], {
+            "channel": self.channel, "limit": limit}).fetchone()
+        return int(row[0]) if row else 0
 
     def requeue(self, conn: psycopg.Connection, pairs: Sequence[Pair], *,
                 uncount: bool) -> set[int]:
@@ -230,6 +270,7 @@ class QueueCore:
         ids, claims = _pairs(pairs)
         return {r[0] for r in conn.execute(self.q["job_bury"], {
             "ids": ids, "claims": claims, "reason": reason, "worker": self.worker,
+            "channel": self.channel,
             "error": Jsonb(dict(error)) if error else None,
         }).fetchall()}
 

@@ -23,10 +23,13 @@ __all__ = [
     "DatabaseUnavailable",
     "EmbeddedServerError",
     "InvalidArgument",
+    "InvalidLimit",
+    "InvalidLimitKey",
     "InvalidName",
     "InvalidOption",
     "InvalidTaskOption",
     "InvalidURL",
+    "KeyBusy",
     "MessageError",
     "MigrationError",
     "NotFound",
@@ -88,6 +91,28 @@ class MessageError(PgJobsError):
     """A message could not be published: its properties are invalid."""
 
     code = "PGJ-106"
+
+
+class InvalidLimit(PgJobsError):
+    """A concurrency limit or rate is invalid: a limit is a whole number of at least 1."""
+
+    code = "PGJ-301"
+
+
+class KeyBusy(PgJobsError):
+    """A message was refused because its concurrency key was full (when_busy='fail').
+
+    Not raised at the publisher: the claim settles the message into the dead letters (reason
+    ``refused``) with this code in its error, and its task body never runs."""
+
+    code = "PGJ-302"
+
+
+class InvalidLimitKey(InvalidLimit):
+    """A concurrency key is invalid: a key function must return a non-empty string of at most
+    200 characters."""
+
+    code = "PGJ-303"
 
 
 class NotFound(PgJobsError):

@@ -308,6 +308,7 @@ class Transport(virtual.Transport):
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._dirty: set[str] = set()
+        self._again = False  # a claim held rows back by a limit: claim again at once
         self._due_at: float | None = None
         self._next_poll = 0.0
         self._listening = False
@@ -401,16 +402,27 @@ class Transport(virtual.Transport):
             # queue (notify handler), and must not be erased by a clear that comes after.
             self._dirty.difference_update(queues)
             acks = backend.take_acks()
+            # Acks of limited messages release slots: never in a claim's transaction (see
+            # job_claim), so they go first, in a statement of their own.
+            limited, acks = backend.split_limited(acks)
+            hit: set[int] = set()
             try:
+                if limited:
+                    hit = backend.core.ack(conn, limited)
+                    backend.settled(limited, hit, "ack")
+                    limited = []
                 result = backend.core.claim(conn, queues, n, acks)
+                hit = result.acked
+                if result.unsettled:  # limited after all (a lease from before a reconnect)
+                    hit = hit | backend.core.ack(conn, result.unsettled)
             except BaseException:
-                backend.restore_acks(acks)
+                backend.restore_acks(limited + acks)
                 self._dirty.update(queues)
                 if conn.closed or conn.broken:
                     self._conn = None
                 raise
         if acks:
-            backend.settled(acks, result.acked, "ack")
+            backend.settled(acks, hit, "ack")
         if result.claimed:
             held = []
             for r in result.claimed:
@@ -419,7 +431,11 @@ class Transport(virtual.Transport):
                 else:
                     held.append((r.id, r.claim))
             if held:
-                backend.hold(held)
+                backend.hold(held, [r.id for r in result.claimed if r.limited])
+        if result.held_back:
+            # A limit parked, deferred or refused candidates: they left the claim's index, so
+            # the next claim reaches the rows behind them. Claim again now.
+            self._again = True
         if not result.drained:
             self._dirty.update(queues)  # more may be waiting
         else:
@@ -433,6 +449,7 @@ class Transport(virtual.Transport):
     def _pump(self) -> int:
         """Claim and deliver for every channel whose window is open enough; flush acks."""
         delivered = 0
+        self._again = False
         now = time.monotonic()
         if now >= self._next_poll:
             self._dirty.update(self._callbacks)
@@ -547,7 +564,7 @@ class Transport(virtual.Transport):
         self._read_wakeups()
         delivered = self._pump()
         self._hub_rearm()
-        if delivered:
+        if delivered or self._again:
             hub.call_soon(self._on_hub_event)  # more may be waiting: keep draining
             return
         now = time.monotonic()
@@ -564,6 +581,8 @@ class Transport(virtual.Transport):
         while True:
             if self._pump():
                 return
+            if self._again:
+                continue
             now = time.monotonic()
             if deadline is not None and now >= deadline:
                 raise TimeoutError()

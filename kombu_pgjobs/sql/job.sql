@@ -2,10 +2,10 @@
 -- Publish one message. The queue's x-message-ttl applies unless the message has its own
 -- expiration. The insert trigger sends one NOTIFY for the queue.
 INSERT INTO {schema}.pgjobs_job
-       (queue, priority, run_at, expires_at, max_attempts, task, message)
+       (queue, priority, run_at, expires_at, max_attempts, task, limits, message)
 SELECT %(queue)s, %(priority)s, coalesce(%(run_at)s, now()),
        now() + make_interval(secs => coalesce(%(ttl_ms)s, q.message_ttl_ms) / 1000.0),
-       %(max_attempts)s, %(task)s, %(message)s
+       %(max_attempts)s, %(task)s, %(limits)s::jsonb, %(message)s
   FROM (SELECT) AS one
   LEFT JOIN {schema}.pgjobs_queue AS q ON q.name = %(queue)s;
 
@@ -14,38 +14,52 @@ SELECT %(queue)s, %(priority)s, coalesce(%(run_at)s, now()),
 -- Text arrays are sent in binary: no per-element quoting of JSON on the client. Ids follow
 -- the order of the batch (ORDER BY the ordinality), so FIFO holds within a batch.
 INSERT INTO {schema}.pgjobs_job
-       (queue, priority, run_at, expires_at, max_attempts, task, message)
+       (queue, priority, run_at, expires_at, max_attempts, task, limits, message)
 SELECT m.queue, m.priority, coalesce(m.run_at, now()),
        now() + make_interval(secs => coalesce(m.ttl_ms, q.message_ttl_ms) / 1000.0),
-       m.max_attempts, m.task, m.message
+       m.max_attempts, m.task, m.limits::jsonb, m.message
   FROM unnest(%(queue)b::text[], %(priority)s::smallint[], %(run_at)s::timestamptz[],
               %(ttl_ms)s::float8[], %(max_attempts)s::int[], %(task)b::text[],
-              %(message)b::text[]::json[]) WITH ORDINALITY
-       AS m(queue, priority, run_at, ttl_ms, max_attempts, task, message, n)
+              %(limits)b::text[], %(message)b::text[]::json[]) WITH ORDINALITY
+       AS m(queue, priority, run_at, ttl_ms, max_attempts, task, limits, message, n)
   LEFT JOIN {schema}.pgjobs_queue AS q ON q.name = m.queue
  ORDER BY m.n;
 
 -- name: job_insert_fanout :exec
 -- Publish one message to every queue bound to a fanout exchange (one row per queue).
 INSERT INTO {schema}.pgjobs_job
-       (queue, priority, run_at, expires_at, max_attempts, task, message)
+       (queue, priority, run_at, expires_at, max_attempts, task, limits, message)
 SELECT b.queue, %(priority)s, coalesce(%(run_at)s, now()),
        now() + make_interval(secs => coalesce(%(ttl_ms)s, q.message_ttl_ms) / 1000.0),
-       %(max_attempts)s, %(task)s, %(message)s
+       %(max_attempts)s, %(task)s, %(limits)s::jsonb, %(message)s
   FROM (SELECT DISTINCT queue FROM {schema}.pgjobs_binding WHERE exchange = %(exchange)s) AS b
   LEFT JOIN {schema}.pgjobs_queue AS q ON q.name = b.queue;
 
 -- name: job_claim :many
 -- Settle buffered acks and claim up to %(n)s due messages, in one round trip.
--- Returns kind 'c' rows (claimed: id, claim, queue, message), kind 'a' rows (acks that hit
--- their fence) and, when fewer than %(n)s were claimed, one kind 'n' row whose due_in is the
--- number of seconds until a delayed message of these queues is due (NULL if none).
+-- Returns kind 'c' rows (claimed: id, claim, queue, message, limited), kind 'a' rows (acks that
+-- hit their fence), kind 'h' rows (held back by a limit: id, on_key and, as message, the
+-- verdict: parked, refused, later or busy),
+-- one kind 'w' row when releases woke parked rows (due_in: how many) and, when fewer than
+-- %(n)s were claimed and none was held back, one kind 'n' row whose due_in is the number of
+-- seconds until a delayed message of these queues is due (NULL if none).
+-- Limits: a candidate with limits is admitted by pgjobs_admit_v1 (it takes the slots); one that
+-- finds a key full is parked ('waiting'), or refused into the dead letters when its when_busy
+-- is 'fail'; one whose rate is spent waits for the next window (run_at). None of these counts
+-- an attempt. Acks of limited messages release slots under a wait for the key's lock, which
+-- must never happen in a transaction that also tried keys' locks (two such could deadlock):
+-- they are settled here only when nothing is claimed (%(n)s = 0); a claim leaves them alone
+-- and the caller sends them in a claim of 0.
 WITH acked AS (
     -- Fenced ack: only the holder of this exact claim, still running, may delete the row.
     DELETE FROM {schema}.pgjobs_job AS j
      USING unnest(%(ack_ids)s::bigint[], %(ack_claims)s::int[]) AS a(id, claim)
      WHERE j.id = a.id AND j.claim = a.claim AND j.state = 'running'
-    RETURNING j.id, j.queue
+       AND (j.limits IS NULL OR %(n)s = 0)
+    RETURNING j.id, j.claim, j.queue, j.limits IS NOT NULL AS limited
+), released AS (
+    SELECT {schema}.pgjobs_release_v1(array_agg(id), array_agg(claim), %(channel)s) AS woken
+      FROM acked WHERE limited HAVING count(*) > 0
 ), acked_count AS (
     -- The settle counter moves in the statement that settles (one shard per process).
     INSERT INTO {schema}.pgjobs_counter AS c (queue, outcome, bucket, shard, n)
@@ -54,11 +68,11 @@ WITH acked AS (
     ON CONFLICT (queue, outcome, bucket, shard) DO UPDATE SET n = c.n + excluded.n
 ), candidates AS (
     -- Per queue (so each queue's index order is used), the best due rows nobody holds.
-    SELECT c.id, c.priority, c.run_at
+    SELECT c.id, c.priority, c.run_at, c.claim, c.limits
       FROM unnest(%(queues)s::text[]) AS wanted(name)
       LEFT JOIN {schema}.pgjobs_queue AS q ON q.name = wanted.name
      CROSS JOIN LATERAL (
-            SELECT j.id, j.priority, j.run_at
+            SELECT j.id, j.priority, j.run_at, j.claim, j.limits
               FROM {schema}.pgjobs_job AS j
              WHERE j.queue = wanted.name
                AND j.state = 'ready'
@@ -71,6 +85,18 @@ WITH acked AS (
      WHERE q.paused IS NOT TRUE
      ORDER BY c.priority DESC, c.run_at, c.id
      LIMIT %(n)s
+), admitted AS MATERIALIZED (
+    -- In claim order; rows without limits skip the function.
+    SELECT c.id, c.limits IS NOT NULL AS limited,
+           CASE WHEN c.limits IS NOT NULL
+                THEN {schema}.pgjobs_admit_v1(c.id, c.claim + 1, c.limits, %(channel)s)
+           END AS v
+      FROM candidates AS c
+     ORDER BY c.priority DESC, c.run_at, c.id
+), verdicts AS (
+    SELECT id, limited, coalesce((v).verdict, 'ok') AS verdict, (v).on_key AS on_key,
+           coalesce((v).fail, false) AS fail, (v).until AS until
+      FROM admitted
 ), claimed AS (
     -- Take the lease: bump the fence, count the attempt, name the holder.
     UPDATE {schema}.pgjobs_job AS j
@@ -79,20 +105,62 @@ WITH acked AS (
            attempts = j.attempts + 1,
            lease_expires_at = now() + make_interval(secs => %(ttl)s),
            worker = %(worker)s
-      FROM candidates
-     WHERE j.id = candidates.id
-    RETURNING j.id, j.claim, j.queue, j.priority, j.run_at, j.message
+      FROM verdicts AS v
+     WHERE j.id = v.id AND v.verdict = 'ok'
+    RETURNING j.id, j.claim, j.queue, j.priority, j.run_at, j.message, v.limited
+), parked AS (
+    UPDATE {schema}.pgjobs_job AS j
+       SET state = 'waiting', waiting_on = v.on_key
+      FROM verdicts AS v
+     WHERE j.id = v.id AND v.verdict = 'full' AND NOT v.fail
+    RETURNING j.id, j.queue
+), deferred AS (
+    UPDATE {schema}.pgjobs_job AS j
+       SET run_at = v.until
+      FROM verdicts AS v
+     WHERE j.id = v.id AND v.verdict = 'later'
+    RETURNING j.id, j.queue
+), refused AS (
+    DELETE FROM {schema}.pgjobs_job AS j
+     USING verdicts AS v
+     WHERE j.id = v.id AND v.verdict = 'full' AND v.fail
+    RETURNING j.*, v.on_key
+), refused_dead AS (
+    INSERT INTO {schema}.pgjobs_dead_letter
+           (id, queue, priority, task, claim, attempts, max_attempts, reason, error,
+            created_at, message)
+    SELECT id, queue, priority, task, claim, attempts, max_attempts, 'refused',
+           jsonb_build_object('code', 'PGJ-302', 'type', 'KeyBusy', 'key', on_key,
+                              'message', 'concurrency key ' || on_key
+                                         || ' was full and the task says when_busy=fail'),
+           created_at, message
+      FROM refused
+), refused_count AS (
+    INSERT INTO {schema}.pgjobs_counter AS c (queue, outcome, bucket, shard, n)
+    SELECT queue, 'refused', date_trunc('minute', now()), %(worker)s, count(*)
+      FROM refused GROUP BY queue
+    ON CONFLICT (queue, outcome, bucket, shard) DO UPDATE SET n = c.n + excluded.n
 )
-SELECT 'c' AS kind, id, claim, queue, message::text AS message, NULL::float8 AS due_in
+SELECT 'c' AS kind, id, claim, queue, message::text AS message, NULL::float8 AS due_in,
+       limited, NULL::text AS on_key
   FROM (SELECT * FROM claimed ORDER BY priority DESC, run_at, id) AS ordered
 UNION ALL
-SELECT 'a', id, NULL, NULL, NULL, NULL FROM acked
+SELECT 'a', id, NULL, queue, NULL, NULL, limited, NULL FROM acked
+UNION ALL
+SELECT 'h', v.id, NULL, NULL,
+       CASE WHEN v.verdict <> 'full' THEN v.verdict WHEN v.fail THEN 'refused' ELSE 'parked' END,
+       NULL, true, v.on_key
+  FROM verdicts AS v WHERE v.verdict <> 'ok'
+UNION ALL
+SELECT 'w', NULL, NULL, NULL, NULL, woken, NULL, NULL FROM released WHERE woken > 0
 UNION ALL
 SELECT 'n', NULL, NULL, NULL, NULL,
        (SELECT extract(epoch FROM min(j.run_at) - now())::float8
           FROM {schema}.pgjobs_job AS j
-         WHERE j.queue = ANY(%(queues)s::text[]) AND j.state = 'ready' AND j.run_at > now())
- WHERE (SELECT count(*) FROM claimed) < %(n)s;
+         WHERE j.queue = ANY(%(queues)s::text[]) AND j.state = 'ready' AND j.run_at > now()),
+       NULL, NULL
+ WHERE (SELECT count(*) FROM claimed) < %(n)s
+   AND NOT EXISTS (SELECT 1 FROM verdicts WHERE verdict <> 'ok');
 
 -- name: job_requeue :many
 -- Fenced requeue (basic_reject requeue=True, warm-shutdown restore). When %(uncount)s, the
@@ -101,7 +169,7 @@ SELECT 'n', NULL, NULL, NULL, NULL,
 -- task that requeues itself forever, or a cancelled one, cannot come back. NOTIFY wakes
 -- consumers. Returns (id, outcome).
 WITH held AS (
-    SELECT j.id,
+    SELECT j.id, j.claim, j.limits IS NOT NULL AS limited,
            CASE WHEN j.cancelled_at IS NOT NULL THEN 'cancelled'
                 WHEN NOT %(uncount)s
                      AND j.attempts >= coalesce(j.max_attempts, %(max_attempts)s) THEN 'dead'
@@ -135,6 +203,10 @@ WITH held AS (
                               'message', 'requeued on its final attempt'),
            created_at, message
       FROM removed WHERE outcome = 'dead'
+), released AS (
+    -- Slots of limited messages are freed (and their parked rows woken) in the same statement.
+    SELECT {schema}.pgjobs_release_v1(array_agg(id), array_agg(claim), %(channel)s) AS woken
+      FROM held WHERE limited HAVING count(*) > 0
 ), settled AS (
     SELECT id, queue, 'requeued' AS outcome FROM back
     UNION ALL
@@ -147,7 +219,7 @@ WITH held AS (
 )
 SELECT id, outcome,
        CASE WHEN outcome = 'requeued' THEN pg_notify(%(channel)s, queue) IS NULL END
-  FROM settled;
+  FROM settled, (SELECT count(*) FROM released) AS r;
 
 -- name: job_bury :many
 -- Fenced dead-lettering (basic_reject requeue=False): the row moves to pgjobs_dead_letter with
@@ -157,6 +229,9 @@ WITH dead AS (
      USING unnest(%(ids)s::bigint[], %(claims)s::int[]) AS a(id, claim)
      WHERE j.id = a.id AND j.claim = a.claim AND j.state = 'running'
     RETURNING j.*
+), released AS (
+    SELECT {schema}.pgjobs_release_v1(array_agg(id), array_agg(claim), %(channel)s) AS woken
+      FROM dead WHERE limits IS NOT NULL HAVING count(*) > 0
 ), counted AS (
     INSERT INTO {schema}.pgjobs_counter AS c (queue, outcome, bucket, shard, n)
     SELECT queue, 'dead', date_trunc('minute', now()), %(worker)s, count(*)
@@ -168,7 +243,7 @@ INSERT INTO {schema}.pgjobs_dead_letter
         message)
 SELECT id, queue, priority, task, claim, attempts, max_attempts, %(reason)s, %(error)s,
        created_at, message
-  FROM dead
+  FROM dead, (SELECT count(*) FROM released) AS r
 RETURNING id;
 
 -- name: job_renew :many
@@ -189,10 +264,14 @@ RETURNING j.id;
 --  * queues this process consumes are marked in use (x-expires), and the process is recorded
 --    as a live consumer (pgjobs_consumer; rows unseen for 3 ticks are dropped);
 --  * queues unused past their x-expires (at least %(grace)s seconds, so a live consumer's touch
---    always lands first) are dropped with their bindings and ready messages.
+--    always lands first) are dropped with their bindings and ready messages;
+--  * limits: a key with parked rows and no running holder gets one row woken (a safety net:
+--    releases wake parked rows themselves); rate windows older than 2 days go. Slots are not
+--    released here: a release waits for key locks, which must not happen while this statement
+--    holds lapsed rows' locks. A 'release' row says job_release_orphans has work.
 -- Each step is bounded by %(limit)s rows. Returns (outcome, id, queue) rows for logging.
 WITH lapsed AS (
-    SELECT j.id
+    SELECT j.id, j.limits IS NOT NULL AS limited
       FROM {schema}.pgjobs_job AS j
      WHERE j.state = 'running' AND j.lease_expires_at < now()
      ORDER BY j.lease_expires_at
@@ -226,10 +305,31 @@ WITH lapsed AS (
      WHERE j.id = lapsed.id AND j.attempts < coalesce(j.max_attempts, %(max_attempts)s)
        AND j.cancelled_at IS NULL
     RETURNING j.id, j.queue
+), stranded AS (
+    UPDATE {schema}.pgjobs_job AS j
+       SET state = 'ready', waiting_on = NULL
+     WHERE j.id IN (
+            SELECT DISTINCT ON (w.waiting_on) w.id
+              FROM {schema}.pgjobs_job AS w
+             WHERE w.state = 'waiting'
+               AND NOT EXISTS (
+                    SELECT 1
+                      FROM {schema}.pgjobs_slot AS sl
+                      JOIN {schema}.pgjobs_job AS h ON h.id = sl.job_id AND h.claim = sl.claim
+                     WHERE sl.limit_key = w.waiting_on AND h.state = 'running')
+             ORDER BY w.waiting_on, w.priority DESC, w.run_at, w.id
+             LIMIT %(limit)s)
+       AND j.state = 'waiting'
+    RETURNING j.id, j.queue
+), old_rates AS (
+    DELETE FROM {schema}.pgjobs_rate
+     WHERE (limit_key, window_start) IN (
+            SELECT limit_key, window_start FROM {schema}.pgjobs_rate
+             WHERE window_start < now() - interval '2 days' LIMIT %(limit)s)
 ), expired AS (
     DELETE FROM {schema}.pgjobs_job
      WHERE id IN (SELECT id FROM {schema}.pgjobs_job
-                   WHERE expires_at < now() AND state = 'ready'
+                   WHERE expires_at < now() AND state IN ('ready', 'waiting')
                    LIMIT %(limit)s)
     RETURNING id, queue
 ), touched AS (
@@ -270,22 +370,44 @@ WITH lapsed AS (
 SELECT 'requeued' AS outcome, id, queue, pg_notify(%(channel)s, queue) IS NULL AS _
   FROM requeued
 UNION ALL
+SELECT 'woken', id, queue, pg_notify(%(channel)s, queue) IS NULL FROM stranded
+UNION ALL
+SELECT 'release', NULL, NULL, false
+ WHERE EXISTS (SELECT 1 FROM lapsed WHERE limited)
+    OR EXISTS (SELECT 1
+                 FROM {schema}.pgjobs_slot AS sl
+                 LEFT JOIN {schema}.pgjobs_job AS h ON h.id = sl.job_id AND h.claim = sl.claim
+                WHERE h.id IS NULL OR h.state <> 'running')
+UNION ALL
 SELECT 'buried', id, queue, false FROM dead
 UNION ALL
 SELECT 'expired', id, queue, false FROM expired
 UNION ALL
 SELECT 'queue_expired', NULL, name, false FROM gone;
 
+-- name: job_release_orphans :one
+-- Release slots whose holder no longer holds them (a rescued or deleted job, an ack that skipped
+-- the release) and wake the rows parked on their keys. Its own transaction: it waits for key
+-- locks and holds no other lock meanwhile. Returns the number of rows woken.
+SELECT coalesce({schema}.pgjobs_release_v1(array_agg(id), array_agg(claim), %(channel)s), 0)
+  FROM (SELECT sl.job_id AS id, sl.claim
+          FROM {schema}.pgjobs_slot AS sl
+          LEFT JOIN {schema}.pgjobs_job AS h ON h.id = sl.job_id AND h.claim = sl.claim
+         WHERE h.id IS NULL OR h.state <> 'running'
+         LIMIT %(limit)s) AS orphaned;
+
 -- name: job_purge :one
 -- Purge a queue's ready messages (running ones finish and are acked as usual).
 WITH gone AS (
-    DELETE FROM {schema}.pgjobs_job WHERE queue = %(queue)s AND state = 'ready' RETURNING 1
+    DELETE FROM {schema}.pgjobs_job WHERE queue = %(queue)s AND state IN ('ready', 'waiting')
+    RETURNING 1
 )
 SELECT count(*) FROM gone;
 
 -- name: job_size :one
--- Deliverable messages in a queue (what kombu and Celery call the queue's size): ready, due and
--- not expired. Delayed (ETA) messages are not counted, as on RabbitMQ where they wait unacked.
+-- Deliverable messages in a queue (what kombu and Celery call the queue's size): ready (or
+-- waiting for a limit), due and not expired. Delayed (ETA) messages are not counted, as on
+-- RabbitMQ where they wait unacked.
 SELECT count(*) FROM {schema}.pgjobs_job
- WHERE queue = %(queue)s AND state = 'ready' AND run_at <= now()
+ WHERE queue = %(queue)s AND state IN ('ready', 'waiting') AND run_at <= now()
    AND (expires_at IS NULL OR expires_at > now());

@@ -1,0 +1,129 @@
+"""Limits a message carries: the ``x-pgjobs-limits`` header, validated at publish.
+
+The header (set by celery_ext from task declarations, or by any publisher) is a JSON object::
+
+    {"concurrency": [{"key": "task:report", "limit": 3},
+                     {"key": "key:report:acct-42", "limit": 2, "when_busy": "fail"}],
+     "rate": [{"key": "tenant:acme", "limit": 100, "per": 60}]}
+
+* ``concurrency``: at most ``limit`` messages holding ``key`` run at once, across every worker
+  of the database. A message that finds a key full waits (``when_busy: "wait"``, the default;
+  no attempt is counted) or is refused into the dead letters (``"fail"``, code ``PGJ-302``).
+* ``rate``: at most ``limit`` starts per fixed window of ``per`` seconds with ``key``; a message
+  over the rate waits for the next window, uncounted.
+
+The claim enforces them in Postgres (``schema/0003_limits.sql``); this module only refuses a
+header that could not be enforced, where it is published, with a stable code. The validated
+header is stored as the row's ``limits`` column (the same JSON, normalised).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from .errors import InvalidLimit, InvalidLimitKey
+
+__all__ = [
+    "LIMITS_HEADER",
+    "MAX_KEY_LENGTH",
+    "MAX_LIMIT",
+    "MAX_RATE_WINDOW",
+    "WHEN_BUSY",
+    "check_cap",
+    "check_key",
+    "normalise",
+]
+
+#: the header a message's limits travel in
+LIMITS_HEADER = "x-pgjobs-limits"
+MAX_KEY_LENGTH = 200
+#: a cap is a number of slots; beyond this a limit is no limit
+MAX_LIMIT = 100_000
+#: longest rate window (seconds): a day
+MAX_RATE_WINDOW = 86_400.0
+WHEN_BUSY = ("wait", "fail")
+
+
+def check_cap(value: Any, what: str) -> int:
+    """A whole number in 1..MAX_LIMIT; refuses bools, fractions, NaN, infinities, strings."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidLimit(f"{what} must be a whole number of at least 1, got {value!r}")
+    if isinstance(value, float) and (not math.isfinite(value) or not value.is_integer()):
+        raise InvalidLimit(f"{what} must be a whole number of at least 1, got {value!r}")
+    if not 1 <= value <= MAX_LIMIT:
+        raise InvalidLimit(f"{what} must be between 1 and {MAX_LIMIT:,}, got {value!r} "
+                           "(zero would stop the task for good: pause its queue instead)")
+    return int(value)
+
+
+def check_key(value: Any, what: str = "concurrency key") -> str:
+    """A non-empty string of at most MAX_KEY_LENGTH characters."""
+    if not isinstance(value, str):
+        raise InvalidLimitKey(f"{what} must be a string, got {type(value).__name__} {value!r}")
+    if not value:
+        raise InvalidLimitKey(f"{what} is empty")
+    if len(value) > MAX_KEY_LENGTH:
+        raise InvalidLimitKey(
+            f"{what} is {len(value)} characters long (at most {MAX_KEY_LENGTH}): {value[:40]!r}...")
+    if any(ord(c) < 32 for c in value):
+        raise InvalidLimitKey(f"{what} has control characters: {value!r}")
+    return value
+
+
+def _window(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+            not math.isfinite(value) or not 0 < value <= MAX_RATE_WINDOW:
+        raise InvalidLimit(
+            f"rate window 'per' must be seconds in (0, {MAX_RATE_WINDOW:g}], got {value!r}")
+    return float(value)
+
+
+def normalise(header: Any) -> str | None:
+    """Validate an ``x-pgjobs-limits`` header; return it as compact JSON (None: no limits)."""
+    if header is None:
+        return None
+    if isinstance(header, (str, bytes)):
+        try:
+            header = json.loads(header)
+        except ValueError:
+            raise InvalidLimit(f"{LIMITS_HEADER} is not JSON: {header!r:.80}") from None
+    if not isinstance(header, Mapping):
+        raise InvalidLimit(f"{LIMITS_HEADER} must be an object, got {type(header).__name__}")
+    unknown = set(header) - {"concurrency", "rate"}
+    if unknown:
+        raise InvalidLimit(f"{LIMITS_HEADER} has unknown entries {sorted(unknown)}: "
+                           "use 'concurrency' and 'rate'")
+    out: dict[str, list[dict[str, Any]]] = {}
+    seen: set[str] = set()
+    for entry in _entries(header, "concurrency"):
+        key = check_key(entry.get("key"))
+        if key in seen:
+            raise InvalidLimit(f"concurrency key {key!r} is listed twice")
+        seen.add(key)
+        item: dict[str, Any] = {"key": key,
+                                "limit": check_cap(entry.get("limit"), f"limit of {key!r}")}
+        busy = entry.get("when_busy", "wait")
+        if busy not in WHEN_BUSY:
+            raise InvalidLimit(f"when_busy of {key!r} must be 'wait' or 'fail', got {busy!r}")
+        if busy == "fail":
+            item["when_busy"] = "fail"
+        out.setdefault("concurrency", []).append(item)
+    for entry in _entries(header, "rate"):
+        key = check_key(entry.get("key"), "rate key")
+        out.setdefault("rate", []).append({
+            "key": key, "limit": check_cap(entry.get("limit"), f"rate of {key!r}"),
+            "per": _window(entry.get("per"))})
+    return json.dumps(out, separators=(",", ":")) if out else None
+
+
+def _entries(header: Mapping[str, Any], name: str) -> list[Mapping[str, Any]]:
+    entries = header.get(name) or []
+    if not isinstance(entries, (list, tuple)) or not all(
+            isinstance(e, Mapping) for e in entries):
+        raise InvalidLimit(f"{LIMITS_HEADER}[{name!r}] must be a list of objects")
+    if len(entries) > 8:
+        raise InvalidLimit(f"{LIMITS_HEADER}[{name!r}] has {len(entries)} entries (at most 8)")
+    return list(entries)

@@ -1,0 +1,198 @@
+-- pgjobs schema, version 3: fleet-wide concurrency limits and rates.
+--
+-- A message may carry limits (the x-pgjobs-limits header, copied to pgjobs_job.limits when it
+-- is published): concurrency caps, each a key with a limit ("at most N running with this key
+-- across the fleet"), and start rates ("at most N starts per window with this key"). The claim
+-- admits a limited message only when every cap has a free slot and every rate has room:
+--
+--   * a slot is a row of pgjobs_slot, (limit_key, slot) with slot < limit; the primary key makes
+--     two holders of one slot impossible, whatever the isolation level or the number of racing
+--     claims. A slot is held while its job is running under the claim that took it with a live
+--     lease; a slot whose holder is gone (acked, requeued, lease lapsed) is free;
+--   * a message that finds a key full is parked (state 'waiting', waiting_on = the key): it
+--     leaves the claim's index, burns no attempt, and no longer stands in front of other keys'
+--     messages. Releasing a slot wakes as many parked messages of its key as slots it freed;
+--   * every slot change of a key happens under a transaction-scoped advisory lock on that key.
+--     Claims only try that lock (pg_try_advisory_xact_lock: a claim never waits, a busy key is
+--     skipped this round); releases wait for it. So a release always sees a message parked by
+--     a claim that raced it, and wakes it: no lost wake-up.
+
+ALTER TABLE {schema}.pgjobs_job
+    ADD COLUMN limits jsonb,                           -- the message's limits (NULL: none)
+    ADD COLUMN waiting_on text;                        -- the full key a waiting row is parked on
+ALTER TABLE {schema}.pgjobs_job DROP CONSTRAINT pgjobs_job_state_check;
+ALTER TABLE {schema}.pgjobs_job ADD CONSTRAINT pgjobs_job_state_check
+    CHECK (state IN ('ready', 'running', 'waiting'));
+COMMENT ON COLUMN {schema}.pgjobs_job.limits IS
+    'Limits from the x-pgjobs-limits header: concurrency caps (key, limit, when_busy) and '
+    'rates (key, limit, per seconds); NULL when the message has none.';
+COMMENT ON COLUMN {schema}.pgjobs_job.waiting_on IS
+    'State waiting: the concurrency key that was full when the claim met this row.';
+-- Wake-up order of a key's parked rows: the claim's own order.
+CREATE INDEX pgjobs_job_waiting_idx ON {schema}.pgjobs_job
+    (waiting_on, priority DESC, run_at, id) WHERE state = 'waiting';
+
+-- One row per slot ever taken; a row is held while its job runs under the claim that took it.
+CREATE TABLE {schema}.pgjobs_slot (
+    limit_key  text NOT NULL,                          -- the concurrency key
+    slot       integer NOT NULL,                       -- 0 .. limit-1
+    cap        integer NOT NULL,                       -- the limit the holder was admitted under
+    job_id     bigint NOT NULL,                        -- the holder
+    claim      integer NOT NULL,                       -- the holder's claim number (fence)
+    taken_at   timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (limit_key, slot)
+);
+CREATE INDEX pgjobs_slot_job_idx ON {schema}.pgjobs_slot (job_id);
+COMMENT ON TABLE {schema}.pgjobs_slot IS 'Concurrency slots: one row per place held under a key.';
+
+-- Starts per key and fixed window, for rate limits.
+CREATE TABLE {schema}.pgjobs_rate (
+    limit_key    text NOT NULL,                        -- the rate key (e.g. tenant:acme)
+    window_start timestamptz NOT NULL,                 -- start of the fixed window
+    starts       integer NOT NULL,                     -- claims admitted in the window
+    PRIMARY KEY (limit_key, window_start)
+);
+COMMENT ON TABLE {schema}.pgjobs_rate IS 'Admitted starts per rate key and window.';
+
+-- Admit one limited row into a claim, or say why not. Called by the claim statement for each
+-- candidate with limits, in claim order. Returns:
+--   ok     every cap had a free slot (now taken for p_id/p_claim) and every rate had room;
+--   full   on_key had no free slot (fail: its when_busy is 'fail');
+--   later  the rate on_key is spent until `until`;
+--   busy   another transaction is changing on_key right now: leave the row ready for now.
+-- All caps are checked before any slot is taken, so a refusal never leaves a slot behind.
+CREATE TYPE {schema}.pgjobs_verdict AS (
+    verdict text,                                      -- ok | full | later | busy
+    on_key  text,                                      -- the key that said no
+    fail    boolean,                                   -- full, and its when_busy is 'fail'
+    until   timestamptz                                -- later: when the rate has room again
+);
+CREATE FUNCTION {schema}.pgjobs_admit_v1(p_id bigint, p_claim integer, p_limits jsonb,
+                                         p_channel text)
+RETURNS {schema}.pgjobs_verdict
+LANGUAGE plpgsql AS $$
+DECLARE
+    on_key text;
+    lock_class integer := hashtext(p_channel || '.limit');
+    rate_class integer := hashtext(p_channel || '.rate');
+    caps jsonb := coalesce(p_limits -> 'concurrency', '[]'::jsonb);
+    rates jsonb := coalesce(p_limits -> 'rate', '[]'::jsonb);
+    e jsonb;
+    free integer[] := '{{}}'::integer[];
+    s integer;
+    ws timestamptz;
+    used integer;
+    i integer;
+BEGIN
+    FOR e IN SELECT value FROM jsonb_array_elements(caps) LOOP
+        on_key := e ->> 'key';
+        IF NOT pg_try_advisory_xact_lock(lock_class, hashtext(on_key)) THEN
+            RETURN ROW('busy', on_key, false, NULL)::{schema}.pgjobs_verdict;
+        END IF;
+        -- The lowest slot whose row is absent or whose holder no longer holds it.
+        SELECT n INTO s
+          FROM generate_series(0, (e ->> 'limit')::integer - 1) AS n
+         WHERE NOT EXISTS (
+                SELECT 1
+                  FROM {schema}.pgjobs_slot AS sl
+                  JOIN {schema}.pgjobs_job AS h ON h.id = sl.job_id AND h.claim = sl.claim
+                 WHERE sl.limit_key = on_key AND sl.slot = n
+                   AND ((h.claim = sl.claim AND h.state = 'running'
+                         AND h.lease_expires_at > now())
+                        -- taken earlier in this very claim (its row is not running yet)
+                        OR h.claim = sl.claim - 1))
+         ORDER BY n
+         LIMIT 1;
+        IF s IS NULL THEN
+            RETURN ROW('full', on_key, coalesce(e ->> 'when_busy', 'wait') = 'fail', NULL)
+                   ::{schema}.pgjobs_verdict;
+        END IF;
+        free := free || s;
+    END LOOP;
+    FOR e IN SELECT value FROM jsonb_array_elements(rates) LOOP
+        on_key := e ->> 'key';
+        IF NOT pg_try_advisory_xact_lock(rate_class, hashtext(on_key)) THEN
+            RETURN ROW('busy', on_key, false, NULL)::{schema}.pgjobs_verdict;
+        END IF;
+        ws := to_timestamp(floor(extract(epoch FROM now()) / (e ->> 'per')::float8)
+                           * (e ->> 'per')::float8);
+        SELECT r.starts INTO used FROM {schema}.pgjobs_rate AS r
+         WHERE r.limit_key = on_key AND r.window_start = ws;
+        IF coalesce(used, 0) >= (e ->> 'limit')::integer THEN
+            RETURN ROW('later', on_key, false, ws + make_interval(secs => (e ->> 'per')::float8))
+                   ::{schema}.pgjobs_verdict;
+        END IF;
+    END LOOP;
+    -- Every cap and rate has room: take the slots, count the starts.
+    i := 0;
+    FOR e IN SELECT value FROM jsonb_array_elements(caps) LOOP
+        i := i + 1;
+        INSERT INTO {schema}.pgjobs_slot AS sl (limit_key, slot, cap, job_id, claim)
+        VALUES (e ->> 'key', free[i], (e ->> 'limit')::integer, p_id, p_claim)
+        ON CONFLICT (limit_key, slot) DO UPDATE
+           SET cap = excluded.cap, job_id = excluded.job_id, claim = excluded.claim,
+               taken_at = now();
+    END LOOP;
+    FOR e IN SELECT value FROM jsonb_array_elements(rates) LOOP
+        ws := to_timestamp(floor(extract(epoch FROM now()) / (e ->> 'per')::float8)
+                           * (e ->> 'per')::float8);
+        INSERT INTO {schema}.pgjobs_rate AS r (limit_key, window_start, starts)
+        VALUES (e ->> 'key', ws, 1)
+        ON CONFLICT (limit_key, window_start) DO UPDATE SET starts = r.starts + 1;
+    END LOOP;
+    RETURN ROW('ok', NULL, false, NULL)::{schema}.pgjobs_verdict;
+END
+$$;
+
+-- Release the slots taken by these (job id, claim) pairs (settled, requeued, lapsed: a later
+-- claim of the same job keeps its own slots) and wake, per key, as many
+-- parked rows as slots were freed. Waits for each key's lock, in key order (so two releases
+-- never deadlock), before touching its slots; each statement below then sees what any claim
+-- that held the lock committed, including rows it parked. Returns the number of rows woken.
+CREATE FUNCTION {schema}.pgjobs_release_v1(p_ids bigint[], p_claims integer[],
+                                           p_channel text)
+RETURNS integer
+LANGUAGE plpgsql AS $$
+DECLARE
+    lock_class integer := hashtext(p_channel || '.limit');
+    k text;
+    woken integer := 0;
+BEGIN
+    IF p_ids IS NULL OR cardinality(p_ids) = 0 THEN
+        RETURN 0;
+    END IF;
+    FOR k IN SELECT DISTINCT sl.limit_key
+               FROM {schema}.pgjobs_slot AS sl
+               JOIN unnest(p_ids, p_claims) AS r(id, claim)
+                 ON sl.job_id = r.id AND sl.claim = r.claim
+              ORDER BY sl.limit_key LOOP
+        PERFORM pg_advisory_xact_lock(lock_class, hashtext(k));
+    END LOOP;
+    WITH gone AS (
+        DELETE FROM {schema}.pgjobs_slot AS sl
+         USING unnest(p_ids, p_claims) AS r(id, claim)
+         WHERE sl.job_id = r.id AND sl.claim = r.claim
+        RETURNING sl.limit_key
+    ), freed AS (
+        SELECT limit_key, count(*) AS n FROM gone GROUP BY limit_key
+    ), picked AS (
+        SELECT w.id
+          FROM freed
+         CROSS JOIN LATERAL (
+                SELECT j.id FROM {schema}.pgjobs_job AS j
+                 WHERE j.state = 'waiting' AND j.waiting_on = freed.limit_key
+                 ORDER BY j.priority DESC, j.run_at, j.id
+                 LIMIT freed.n
+                   FOR UPDATE SKIP LOCKED) AS w
+    ), back AS (
+        UPDATE {schema}.pgjobs_job AS j
+           SET state = 'ready', waiting_on = NULL
+          FROM picked
+         WHERE j.id = picked.id
+        RETURNING j.queue
+    )
+    SELECT coalesce(sum(n), 0) INTO woken
+      FROM (SELECT count(*) AS n, pg_notify(p_channel, queue) FROM back GROUP BY queue) AS q;
+    RETURN woken;
+END
+$$;
