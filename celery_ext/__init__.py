@@ -12,12 +12,18 @@
   ``retry_after_jitter``), ``retryable``: retry classification, see :mod:`celery_ext.retry`.
 * ``dead_letter`` (default True): a task that fails for good is recorded as a dead letter with
   its exception type, message, traceback and the rule that stopped it.
+* ``concurrency``, ``concurrency_key`` + ``concurrency_per_key``, ``when_busy``: fleet-wide
+  limits enforced by the claim in Postgres; app settings ``pgjobs_queue_limits``,
+  ``pgjobs_global_limit``, ``pgjobs_tenant_limit``, ``pgjobs_tenant_rate``. See
+  :mod:`celery_ext.limits`.
 
 A task with its own base class gets the same by deriving it from :class:`celery_ext.Task`.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 from celery import signals
@@ -26,6 +32,7 @@ from celery.utils.imports import symbol_by_name
 from kombu_pgjobs.errors import InvalidTaskOption
 
 from .deadletter import on_task_failure
+from .limits import check_app_limits
 from .retry import RULES, PgJobsTask
 from .state import add_app, installed
 
@@ -43,6 +50,8 @@ def install(app: Any) -> Any:
     """
     if installed(app):
         return app
+    if getattr(app, "configured", False):  # else checked at the first publish
+        check_app_limits(app.conf)
     base = symbol_by_name(app.task_cls)
     if not issubclass(base, PgJobsTask):
         composed = PgJobsTask if base.__name__ == "Task" and base.__module__ == \
@@ -57,7 +66,33 @@ def install(app: Any) -> Any:
                     "or give those tasks base=celery_ext.Task")
             del app.__dict__["Task"]
         app.task_cls = composed
+    app.task = _checked_at_declaration(app.task)
     signals.task_failure.connect(
         on_task_failure, weak=False, dispatch_uid="celery_ext.deadletter")
     add_app(app)
     return app
+
+
+#: task options celery_ext reads; checked where ``@app.task(...)`` is written
+_OPTIONS = ("max_attempts", "terminal", "retry_after", "retry_after_seconds", "retry_after_max",
+            "retry_after_jitter", "retryable", "dead_letter", "concurrency", "concurrency_key",
+            "concurrency_per_key", "when_busy")
+
+
+def _checked_at_declaration(task: Callable[..., Any]) -> Callable[..., Any]:
+    """``app.task`` that checks celery_ext's options at the decorator: Celery makes task
+    classes lazily (at the first use of the task), which would report a bad declaration far from
+    where it was written."""
+    if getattr(task, "_celery_ext_checked", False):
+        return task
+
+    @functools.wraps(task)
+    def checked(*args: Any, **opts: Any) -> Any:
+        ours = {k: v for k, v in opts.items() if k in _OPTIONS}
+        if ours:  # making a throwaway subclass runs the same checks the real one will
+            type("declared", (PgJobsTask,), {"__module__": __name__,
+                                              "name": opts.get("name"), **ours})
+        return task(*args, **opts)
+
+    checked._celery_ext_checked = True  # type: ignore[attr-defined]
+    return checked

@@ -32,9 +32,10 @@ from celery.exceptions import TaskPredicate
 from celery.utils.time import get_exponential_backoff_interval
 
 from kombu_pgjobs.admin import LAST_ERROR_HEADER
-from kombu_pgjobs.errors import InvalidTaskOption
+from kombu_pgjobs.errors import InvalidLimit, InvalidTaskOption
 
 from .headers import with_task_headers
+from .limits import check_task_limits, needs_late_ack, with_limits
 
 __all__ = [
     "RULES",
@@ -189,13 +190,35 @@ class PgJobsTask(CeleryTask):
     retryable: tuple[type[BaseException], ...] = ()
     #: record a final failure as a dead letter (celery_ext.install)
     dead_letter: bool = True
+    #: at most this many messages of the task running fleet-wide (see celery_ext.limits)
+    concurrency: int | None = None
+    #: callable(*args, **kwargs) -> str: the key whose running messages are capped
+    concurrency_key: Callable[..., str] | None = None
+    #: the cap per key (default 1 when a key is given)
+    concurrency_per_key: int | None = None
+    #: a full key: "wait" (stay queued, uncounted) or "fail" (dead-lettered, PGJ-302)
+    when_busy: str = "wait"
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        if isinstance(cls.__dict__.get("retry_after_seconds"), type(lambda: None)):
-            # a plain function given as a task option must not become a bound method
-            cls.retry_after_seconds = staticmethod(cls.__dict__["retry_after_seconds"])
+        for option in ("retry_after_seconds", "concurrency_key"):
+            if isinstance(cls.__dict__.get(option), type(lambda: None)):
+                # a plain function given as a task option must not become a bound method
+                setattr(cls, option, staticmethod(cls.__dict__[option]))
         _check_options(cls)
+        check_task_limits(cls)
+
+    @classmethod
+    def bind(cls, app: Any) -> Any:
+        explicit = cls.__dict__.get("acks_late")
+        bound = super().bind(app)
+        if needs_late_ack(cls, app.conf):
+            if explicit is False:
+                raise InvalidLimit(
+                    f"task {cls.name} has a concurrency limit and acks_late=False: a limit "
+                    "holds from claim to ack, so it needs acks_late=True (the default here)")
+            cls.acks_late = True
+        return bound
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         try:
@@ -215,6 +238,7 @@ class PgJobsTask(CeleryTask):
                     producer: Any = None, link: Any = None, link_error: Any = None,
                     shadow: Any = None, **options: Any) -> Any:
         headers = with_task_headers(self, options.get("headers"))
+        headers = with_limits(self, args, kwargs, options, headers)
         if headers is not None:
             options["headers"] = headers
         return super().apply_async(args, kwargs, task_id, producer, link, link_error, shadow,

@@ -31,6 +31,7 @@ __all__ = [
     "MAX_KEY_LENGTH",
     "MAX_LIMIT",
     "MAX_RATE_WINDOW",
+    "MAX_STORED_KEY_LENGTH",
     "WHEN_BUSY",
     "check_cap",
     "check_key",
@@ -39,7 +40,10 @@ __all__ = [
 
 #: the header a message's limits travel in
 LIMITS_HEADER = "x-pgjobs-limits"
+#: longest key value a publisher computes (an account id, a tenant)
 MAX_KEY_LENGTH = 200
+#: longest stored key: a value with its prefix (``key:<task name>:<value>``)
+MAX_STORED_KEY_LENGTH = 512
 #: a cap is a number of slots; beyond this a limit is no limit
 MAX_LIMIT = 100_000
 #: longest rate window (seconds): a day
@@ -59,15 +63,16 @@ def check_cap(value: Any, what: str) -> int:
     return int(value)
 
 
-def check_key(value: Any, what: str = "concurrency key") -> str:
-    """A non-empty string of at most MAX_KEY_LENGTH characters."""
+def check_key(value: Any, what: str = "concurrency key", *,
+              maximum: int = MAX_KEY_LENGTH) -> str:
+    """A non-empty string of at most ``maximum`` characters, no control characters."""
     if not isinstance(value, str):
         raise InvalidLimitKey(f"{what} must be a string, got {type(value).__name__} {value!r}")
     if not value:
         raise InvalidLimitKey(f"{what} is empty")
-    if len(value) > MAX_KEY_LENGTH:
+    if len(value) > maximum:
         raise InvalidLimitKey(
-            f"{what} is {len(value)} characters long (at most {MAX_KEY_LENGTH}): {value[:40]!r}...")
+            f"{what} is {len(value)} characters long (at most {maximum}): {value[:40]!r}...")
     if any(ord(c) < 32 for c in value):
         raise InvalidLimitKey(f"{what} has control characters: {value!r}")
     return value
@@ -99,7 +104,7 @@ def normalise(header: Any) -> str | None:
     out: dict[str, list[dict[str, Any]]] = {}
     seen: set[str] = set()
     for entry in _entries(header, "concurrency"):
-        key = check_key(entry.get("key"))
+        key = check_key(entry.get("key"), maximum=MAX_STORED_KEY_LENGTH)
         if key in seen:
             raise InvalidLimit(f"concurrency key {key!r} is listed twice")
         seen.add(key)
@@ -112,7 +117,7 @@ def normalise(header: Any) -> str | None:
             item["when_busy"] = "fail"
         out.setdefault("concurrency", []).append(item)
     for entry in _entries(header, "rate"):
-        key = check_key(entry.get("key"), "rate key")
+        key = check_key(entry.get("key"), "rate key", maximum=MAX_STORED_KEY_LENGTH)
         out.setdefault("rate", []).append({
             "key": key, "limit": check_cap(entry.get("limit"), f"rate of {key!r}"),
             "per": _window(entry.get("per"))})

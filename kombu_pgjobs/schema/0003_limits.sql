@@ -11,7 +11,10 @@
 --     lease; a slot whose holder is gone (acked, requeued, lease lapsed) is free;
 --   * a message that finds a key full is parked (state 'waiting', waiting_on = the key): it
 --     leaves the claim's index, burns no attempt, and no longer stands in front of other keys'
---     messages. Releasing a slot wakes as many parked messages of its key as slots it freed;
+--     messages. When the full key is its first one, the claim parks every due ready row of the
+--     queue with that first key too (up to 1,000 per claim): a flood of one key is set aside in
+--     a few claims instead of being met a prefetch window at a time. Releasing a slot wakes as
+--     many parked messages of its key as slots it freed;
 --   * every slot change of a key happens under a transaction-scoped advisory lock on that key.
 --     Claims only try that lock (pg_try_advisory_xact_lock: a claim never waits, a busy key is
 --     skipped this round); releases wait for it. So a release always sees a message parked by
@@ -19,6 +22,7 @@
 
 ALTER TABLE {schema}.pgjobs_job
     ADD COLUMN limits jsonb,                           -- the message's limits (NULL: none)
+    ADD COLUMN limit_key text,                         -- its first concurrency key (floods park)
     ADD COLUMN waiting_on text;                        -- the full key a waiting row is parked on
 ALTER TABLE {schema}.pgjobs_job DROP CONSTRAINT pgjobs_job_state_check;
 ALTER TABLE {schema}.pgjobs_job ADD CONSTRAINT pgjobs_job_state_check
@@ -28,6 +32,12 @@ COMMENT ON COLUMN {schema}.pgjobs_job.limits IS
     'rates (key, limit, per seconds); NULL when the message has none.';
 COMMENT ON COLUMN {schema}.pgjobs_job.waiting_on IS
     'State waiting: the concurrency key that was full when the claim met this row.';
+COMMENT ON COLUMN {schema}.pgjobs_job.limit_key IS
+    'The first concurrency key of limits: when a claim finds it full, every due ready row of '
+    'the queue with this first key is parked at once (a flood of one key, bounded per claim).';
+-- Parking a flood: the ready rows of one queue whose first key is full.
+CREATE INDEX pgjobs_job_limit_key_idx ON {schema}.pgjobs_job (limit_key, queue)
+    WHERE state = 'ready' AND limit_key IS NOT NULL;
 -- Wake-up order of a key's parked rows: the claim's own order.
 CREATE INDEX pgjobs_job_waiting_idx ON {schema}.pgjobs_job
     (waiting_on, priority DESC, run_at, id) WHERE state = 'waiting';

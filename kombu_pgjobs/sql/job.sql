@@ -2,10 +2,11 @@
 -- Publish one message. The queue's x-message-ttl applies unless the message has its own
 -- expiration. The insert trigger sends one NOTIFY for the queue.
 INSERT INTO {schema}.pgjobs_job
-       (queue, priority, run_at, expires_at, max_attempts, task, limits, message)
+       (queue, priority, run_at, expires_at, max_attempts, task, limits, limit_key, message)
 SELECT %(queue)s, %(priority)s, coalesce(%(run_at)s, now()),
        now() + make_interval(secs => coalesce(%(ttl_ms)s, q.message_ttl_ms) / 1000.0),
-       %(max_attempts)s, %(task)s, %(limits)s::jsonb, %(message)s
+       %(max_attempts)s, %(task)s, %(limits)s::jsonb,
+       %(limits)s::jsonb -> 'concurrency' -> 0 ->> 'key', %(message)s
   FROM (SELECT) AS one
   LEFT JOIN {schema}.pgjobs_queue AS q ON q.name = %(queue)s;
 
@@ -14,10 +15,11 @@ SELECT %(queue)s, %(priority)s, coalesce(%(run_at)s, now()),
 -- Text arrays are sent in binary: no per-element quoting of JSON on the client. Ids follow
 -- the order of the batch (ORDER BY the ordinality), so FIFO holds within a batch.
 INSERT INTO {schema}.pgjobs_job
-       (queue, priority, run_at, expires_at, max_attempts, task, limits, message)
+       (queue, priority, run_at, expires_at, max_attempts, task, limits, limit_key, message)
 SELECT m.queue, m.priority, coalesce(m.run_at, now()),
        now() + make_interval(secs => coalesce(m.ttl_ms, q.message_ttl_ms) / 1000.0),
-       m.max_attempts, m.task, m.limits::jsonb, m.message
+       m.max_attempts, m.task, m.limits::jsonb, m.limits::jsonb -> 'concurrency' -> 0 ->> 'key',
+       m.message
   FROM unnest(%(queue)b::text[], %(priority)s::smallint[], %(run_at)s::timestamptz[],
               %(ttl_ms)s::float8[], %(max_attempts)s::int[], %(task)b::text[],
               %(limits)b::text[], %(message)b::text[]::json[]) WITH ORDINALITY
@@ -28,10 +30,11 @@ SELECT m.queue, m.priority, coalesce(m.run_at, now()),
 -- name: job_insert_fanout :exec
 -- Publish one message to every queue bound to a fanout exchange (one row per queue).
 INSERT INTO {schema}.pgjobs_job
-       (queue, priority, run_at, expires_at, max_attempts, task, limits, message)
+       (queue, priority, run_at, expires_at, max_attempts, task, limits, limit_key, message)
 SELECT b.queue, %(priority)s, coalesce(%(run_at)s, now()),
        now() + make_interval(secs => coalesce(%(ttl_ms)s, q.message_ttl_ms) / 1000.0),
-       %(max_attempts)s, %(task)s, %(limits)s::jsonb, %(message)s
+       %(max_attempts)s, %(task)s, %(limits)s::jsonb,
+       %(limits)s::jsonb -> 'concurrency' -> 0 ->> 'key', %(message)s
   FROM (SELECT DISTINCT queue FROM {schema}.pgjobs_binding WHERE exchange = %(exchange)s) AS b
   LEFT JOIN {schema}.pgjobs_queue AS q ON q.name = b.queue;
 
@@ -68,11 +71,11 @@ WITH acked AS (
     ON CONFLICT (queue, outcome, bucket, shard) DO UPDATE SET n = c.n + excluded.n
 ), candidates AS (
     -- Per queue (so each queue's index order is used), the best due rows nobody holds.
-    SELECT c.id, c.priority, c.run_at, c.claim, c.limits
+    SELECT c.id, c.queue, c.priority, c.run_at, c.claim, c.limits
       FROM unnest(%(queues)s::text[]) AS wanted(name)
       LEFT JOIN {schema}.pgjobs_queue AS q ON q.name = wanted.name
      CROSS JOIN LATERAL (
-            SELECT j.id, j.priority, j.run_at, j.claim, j.limits
+            SELECT j.id, j.queue, j.priority, j.run_at, j.claim, j.limits
               FROM {schema}.pgjobs_job AS j
              WHERE j.queue = wanted.name
                AND j.state = 'ready'
@@ -87,14 +90,14 @@ WITH acked AS (
      LIMIT %(n)s
 ), admitted AS MATERIALIZED (
     -- In claim order; rows without limits skip the function.
-    SELECT c.id, c.limits IS NOT NULL AS limited,
+    SELECT c.id, c.queue, c.limits IS NOT NULL AS limited,
            CASE WHEN c.limits IS NOT NULL
                 THEN {schema}.pgjobs_admit_v1(c.id, c.claim + 1, c.limits, %(channel)s)
            END AS v
       FROM candidates AS c
      ORDER BY c.priority DESC, c.run_at, c.id
 ), verdicts AS (
-    SELECT id, limited, coalesce((v).verdict, 'ok') AS verdict, (v).on_key AS on_key,
+    SELECT id, queue, limited, coalesce((v).verdict, 'ok') AS verdict, (v).on_key AS on_key,
            coalesce((v).fail, false) AS fail, (v).until AS until
       FROM admitted
 ), claimed AS (
@@ -114,6 +117,23 @@ WITH acked AS (
       FROM verdicts AS v
      WHERE j.id = v.id AND v.verdict = 'full' AND NOT v.fail
     RETURNING j.id, j.queue
+), flood AS (
+    -- The rest of a full key's flood: due ready rows of the queue whose first key it is.
+    UPDATE {schema}.pgjobs_job AS j
+       SET state = 'waiting', waiting_on = j.limit_key
+     WHERE j.id IN (
+            SELECT x.id
+              FROM (SELECT DISTINCT queue, on_key FROM verdicts
+                     WHERE verdict = 'full' AND NOT fail) AS f
+             CROSS JOIN LATERAL (
+                    SELECT x.id FROM {schema}.pgjobs_job AS x
+                     WHERE x.limit_key = f.on_key AND x.queue = f.queue
+                       AND x.state = 'ready' AND x.run_at <= now()
+                       AND x.id NOT IN (SELECT id FROM candidates)
+                       AND (x.limits -> 'concurrency' -> 0 ->> 'when_busy')
+                           IS DISTINCT FROM 'fail'
+                     LIMIT 1000
+                       FOR UPDATE SKIP LOCKED) AS x)
 ), deferred AS (
     UPDATE {schema}.pgjobs_job AS j
        SET run_at = v.until

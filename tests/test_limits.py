@@ -1,0 +1,245 @@
+"""Limits in the claim, against a real Postgres: slots, parking, floods, rates, refusals, races.
+
+These drive the queue core directly (the statements the transport runs); the end-to-end tests
+with real workers are in test_limits_e2e.py.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from typing import Any
+
+import psycopg
+import pytest
+from celery import Celery
+
+import celery_ext
+from kombu_pgjobs.core import QueueCore, job_from_message
+from kombu_pgjobs.errors import InvalidLimit, InvalidLimitKey, MessageError
+from kombu_pgjobs.limits import LIMITS_HEADER
+from kombu_pgjobs.schema import migrate
+
+from .conftest import DSN
+
+
+def _core(db: psycopg.Connection[Any], schema: str, **kw: Any) -> QueueCore:
+    migrate(db, schema)
+    return QueueCore(schema, lease_ttl=kw.pop("lease_ttl", 30.0), max_attempts=5, **kw)
+
+
+def _msg(body: str, limits: Any = None) -> dict[str, Any]:
+    headers: dict[str, Any] = {"task": "t"}
+    if limits is not None:
+        headers[LIMITS_HEADER] = limits
+    return {"body": body, "headers": headers, "properties": {}}
+
+
+def _keyed(key: str, limit: int, **extra: Any) -> dict[str, Any]:
+    return {"concurrency": [{"key": key, "limit": limit, **extra}]}
+
+
+def _publish(core: QueueCore, db: psycopg.Connection[Any], bodies: list[tuple[str, Any]],
+             queue: str = "q") -> None:
+    core.publish_many(db, [job_from_message(queue, _msg(b, lim)) for b, lim in bodies])
+
+
+def _states(db: psycopg.Connection[Any], schema: str) -> dict[str, int]:
+    return dict(db.execute(
+        f'SELECT state, count(*) FROM "{schema}".pgjobs_job GROUP BY state').fetchall())
+
+
+@pytest.mark.parametrize("bad, code", [
+    ({"concurrency": [{"key": "k", "limit": 0}]}, "PGJ-301"),
+    ({"concurrency": [{"key": "k", "limit": -2}]}, "PGJ-301"),
+    ({"concurrency": [{"key": "k", "limit": 1.5}]}, "PGJ-301"),
+    ({"concurrency": [{"key": "k", "limit": float("nan")}]}, "PGJ-301"),
+    ({"concurrency": [{"key": "k", "limit": float("inf")}]}, "PGJ-301"),
+    ({"concurrency": [{"key": "k", "limit": True}]}, "PGJ-301"),
+    ({"concurrency": [{"key": "k", "limit": 2, "when_busy": "later"}]}, "PGJ-301"),
+    ({"rate": [{"key": "k", "limit": 2, "per": 0}]}, "PGJ-301"),
+    ({"concurrency": [{"key": "", "limit": 1}]}, "PGJ-303"),
+    ({"concurrency": [{"key": 42, "limit": 1}]}, "PGJ-303"),
+    ({"concurrency": [{"key": "x" * 513, "limit": 1}]}, "PGJ-303"),
+    ({"other": []}, "PGJ-301"),
+])
+def test_bad_limits_header_is_refused_at_publish(bad, code):
+    with pytest.raises(InvalidLimit) as info:
+        job_from_message("q", _msg("x", bad))
+    assert info.value.code == code
+
+
+def test_parked_rows_burn_no_attempt_and_wake_one_per_release(db, schema):
+    core = _core(db, schema)
+    _publish(core, db, [(f"a{i}", _keyed("acct:1", 2)) for i in range(6)])
+    first = core.claim(db, ["q"], 6)
+    assert len(first.claimed) == 2, "two slots, two claimed"
+    assert not first.drained, "rows were held back: the caller must claim again"
+    assert _states(db, schema) == {"running": 2, "waiting": 4}
+    attempts = db.execute(
+        f"SELECT max(attempts) FROM \"{schema}\".pgjobs_job WHERE state = 'waiting'").fetchone()
+    assert attempts[0] == 0, "a parked message burns no attempt"
+    # An ack releases one slot and wakes exactly one parked row.
+    core.ack(db, [(first.claimed[0].id, first.claimed[0].claim)])
+    assert _states(db, schema) == {"running": 1, "waiting": 3, "ready": 1}
+    again = core.claim(db, ["q"], 6)
+    assert len(again.claimed) == 1
+    # A requeue releases too.
+    core.requeue(db, [(again.claimed[0].id, again.claimed[0].claim)], uncount=True)
+    assert _states(db, schema) == {"running": 1, "waiting": 2, "ready": 2}
+    slots = db.execute(f'SELECT count(*) FROM "{schema}".pgjobs_slot').fetchone()[0]
+    assert slots == 1
+
+
+def test_a_claim_does_not_release_limited_acks_but_hands_them_back(db, schema):
+    core = _core(db, schema)
+    _publish(core, db, [("a", _keyed("k", 1)), ("plain", None)])
+    got = core.claim(db, ["q"], 2).claimed
+    pairs = [(c.id, c.claim) for c in got]
+    result = core.claim(db, ["q"], 2, pairs)
+    limited = [(c.id, c.claim) for c in got if c.limited]
+    assert result.unsettled == limited
+    assert result.acked == {c.id for c in got if not c.limited}
+    assert core.ack(db, result.unsettled) == {limited[0][0]}
+    assert db.execute(f'SELECT count(*) FROM "{schema}".pgjobs_slot').fetchone()[0] == 0
+
+
+def test_flood_of_one_key_does_not_block_other_keys(db, schema):
+    core = _core(db, schema)
+    _publish(core, db, [(f"a{i}", _keyed("A", 1)) for i in range(10_000)])
+    _publish(core, db, [(f"b{i}", _keyed("B", 1)) for i in range(3)] + [("free", None)])
+    claimed: list[str] = []
+    rounds = 0
+    while rounds < 50:
+        rounds += 1
+        r = core.claim(db, ["q"], 8)
+        for c in r.claimed:
+            claimed.append(c.message)
+        if any('"free"' in m for m in claimed) and any('"b0"' in m for m in claimed):
+            break
+    assert any('"b0"' in m for m in claimed) and any('"free"' in m for m in claimed)
+    assert rounds <= 15, f"other keys reached after {rounds} claims of 8"
+    waiting = _states(db, schema).get("waiting", 0)
+    assert waiting >= 9_000, "the flood was parked, not scanned again and again"
+
+
+def test_when_busy_fail_refuses_into_dead_letters_with_code(db, schema):
+    core = _core(db, schema)
+    _publish(core, db, [("first", _keyed("k", 1, when_busy="fail")),
+                        ("second", _keyed("k", 1, when_busy="fail"))])
+    r = core.claim(db, ["q"], 2)
+    assert len(r.claimed) == 1 and '"first"' in r.claimed[0].message
+    assert [(h.verdict, h.key) for h in r.held_back] == [("refused", "k")]
+    row = db.execute(f'SELECT reason, error, message::text FROM "{schema}".pgjobs_dead_letter'
+                     ).fetchone()
+    assert row[0] == "refused"
+    assert row[1]["code"] == "PGJ-302" and row[1]["key"] == "k"
+    assert '"second"' in row[2]
+    assert _states(db, schema) == {"running": 1}
+
+
+def test_rate_defers_to_next_window_without_an_attempt(db, schema):
+    core = _core(db, schema)
+    rate = {"rate": [{"key": "tenant:acme", "limit": 2, "per": 3600}]}
+    _publish(core, db, [(f"r{i}", rate) for i in range(5)])
+    r = core.claim(db, ["q"], 5)
+    assert len(r.claimed) == 2
+    assert sorted(h.verdict for h in r.held_back) == ["later"] * 3
+    rows = db.execute(
+        f"SELECT attempts, run_at > now() FROM \"{schema}\".pgjobs_job WHERE state = 'ready'"
+    ).fetchall()
+    assert rows and all(a == 0 and later for a, later in rows)
+
+
+def test_lapsed_holder_frees_its_slot_and_keeper_wakes_parked(db, schema):
+    core = _core(db, schema, lease_ttl=0.5)
+    _publish(core, db, [("a0", _keyed("k", 1)), ("a1", _keyed("k", 1))])
+    assert len(core.claim(db, ["q"], 2).claimed) == 1  # a1 parked
+    db.execute("SELECT pg_sleep(0.7)")  # the holder "dies": its lease lapses
+    outcomes = core.maintain(db, consumed=["q"], grace=30)
+    assert ("release", None, None) in outcomes
+    assert core.release_orphans(db) == 1, "the parked row is woken when the slot is freed"
+    claimed = core.claim(db, ["q"], 2).claimed
+    assert len(claimed) == 1, "one slot: the rescued row or the woken one, not both"
+
+
+def _race(schema: str, barrier: Any, out: Any) -> None:
+    core = QueueCore(schema, lease_ttl=30.0, max_attempts=5)
+    with psycopg.connect(DSN, autocommit=True) as conn:
+        barrier.wait()
+        total = 0
+        for _ in range(5):
+            total += len(core.claim(conn, ["q"], 10).claimed)
+        out.put(total)
+
+
+@pytest.mark.parametrize("cap", [1, 3])
+def test_racing_claims_never_overshoot_a_cap(db, schema, cap):
+    core = _core(db, schema)
+    _publish(core, db, [(f"x{i}", _keyed("hot", cap)) for i in range(200)])
+    procs = 8
+    ctx = multiprocessing.get_context("spawn")
+    barrier, out = ctx.Barrier(procs), ctx.Queue()
+    workers = [ctx.Process(target=_race, args=(schema, barrier, out)) for _ in range(procs)]
+    for w in workers:
+        w.start()
+    totals = [out.get(timeout=60) for _ in workers]
+    for w in workers:
+        w.join(30)
+    assert sum(totals) == cap, f"{procs} racing claimers took {sum(totals)} slots of {cap}"
+    running = db.execute(
+        f"SELECT count(*) FROM \"{schema}\".pgjobs_job WHERE state = 'running'").fetchone()[0]
+    assert running == cap
+
+
+def test_declarations_are_refused_where_they_are_written(schema, url):
+    app = Celery("decl", broker=url)
+    celery_ext.install(app)
+    for bad in (0, -1, 2.5, float("nan"), float("inf")):
+        with pytest.raises(InvalidLimit) as info:
+            app.task(name=f"t{bad}", concurrency=bad)(lambda: None)
+        assert info.value.code == "PGJ-301"
+    with pytest.raises(InvalidLimitKey) as key_info:
+        app.task(name="k", concurrency_key="account_id")(lambda account_id: None)
+    assert key_info.value.code == "PGJ-303"
+    with pytest.raises(InvalidLimit):
+        app.task(name="w", concurrency=1, when_busy="maybe")(lambda: None)
+
+
+@pytest.mark.parametrize("value", ["", "x" * 201, 17, None])
+def test_bad_key_values_are_refused_at_publish_and_nothing_is_written(db, schema, url, value):
+    app = Celery("pub", broker=url)
+    celery_ext.install(app)
+    app.conf.broker_transport_options = {"schema": schema}
+
+    @app.task(name="sync", concurrency_key=lambda account: account)
+    def sync(account: Any) -> None:
+        pass
+
+    with pytest.raises(InvalidLimitKey) as info:
+        sync.delay(value)
+    assert info.value.code == "PGJ-303"
+    migrate(db, schema)
+    assert db.execute(f'SELECT count(*) FROM "{schema}".pgjobs_job').fetchone()[0] == 0
+
+
+def test_limited_task_with_early_ack_is_refused():
+    app = Celery("late")
+    celery_ext.install(app)
+
+    @app.task(name="early", concurrency=2, acks_late=False)
+    def early() -> None:
+        pass
+
+    with pytest.raises(InvalidLimit, match="acks_late"):
+        early.run  # noqa: B018 - evaluating the lazy task binds it
+
+    @app.task(name="fine", concurrency=2)
+    def fine() -> None:
+        pass
+
+    assert fine.acks_late is True
+
+
+def test_message_error_is_still_raised_for_other_bad_input():
+    with pytest.raises(MessageError):
+        job_from_message("q", {"headers": {}, "properties": {"priority": "high"}})
