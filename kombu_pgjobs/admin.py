@@ -49,8 +49,8 @@ __all__ = [
 ]
 
 #: every state an operator can filter on: three live ones (derived) and dead
-STATES = ("ready", "delayed", "running", "dead")
-LIVE_STATES = ("ready", "delayed", "running")
+STATES = ("ready", "delayed", "running", "waiting", "dead")
+LIVE_STATES = ("ready", "delayed", "running", "waiting")
 #: the header a tenant-aware publisher sets; `pgjobs ls --tenant` filters on it
 TENANT_HEADER = "x-pgjobs-tenant"
 #: the header celery_ext puts on a retry: the error that caused it, shown by `pgjobs show`
@@ -335,6 +335,14 @@ class Admin:
                            "live messages too)")
         return self.show(ident, body=body)
 
+    def limits(self, *, prefix: str | None = None, limit: int = DEFAULT_PAGE) -> dict[str, Any]:
+        """Concurrency keys (held slots, cap, holders, parked messages) and rate windows."""
+        if not 1 <= int(limit) <= MAX_PAGE:
+            raise InvalidArgument(f"--limit must be between 1 and {MAX_PAGE}, got {limit}")
+        params = {"prefix": prefix or None, "limit": int(limit)}
+        return {"keys": self._dicts("admin_limits", params),
+                "rates": self._dicts("admin_rates", params)}
+
     def workers(self, *, leases: int = 20) -> list[dict[str, Any]]:
         return self._dicts("admin_workers", {"leases": int(leases)})
 
@@ -397,7 +405,7 @@ class Admin:
         return {
             "requeued": [{k: r[k] for k in ("id", "new_id", "queue")} for r in revived],
             "made_due": [r["id"] for r in due],
-            "unchanged": [i for i in wanted if found[i][1] == "ready"],
+            "unchanged": [i for i in wanted if found[i][1] in ("ready", "waiting")],
         }
 
     def cancel(self, ids: Sequence[Any]) -> dict[str, Any]:

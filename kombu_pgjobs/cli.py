@@ -125,7 +125,8 @@ def _render_queues(result: dict[str, Any]) -> str:
     if not rows:
         return "no queues"
     return _table(rows, [("QUEUE", "queue"), ("READY", "ready"), ("DELAYED", "delayed"),
-                         ("RUNNING", "running"), ("DEAD", "dead"), ("PAUSED", "paused"),
+                         ("RUNNING", "running"), ("WAITING", "waiting"), ("DEAD", "dead"),
+                         ("PAUSED", "paused"),
                          ("OLDEST READY", "oldest"), ("ACKED/MIN", "acked_per_minute"),
                          (f"SETTLED (last {result['minutes']}m)", "settled")])
 
@@ -157,7 +158,8 @@ def _render_page(result: dict[str, Any], columns: list[tuple[str, str]]) -> str:
 def _render_ls(result: dict[str, Any]) -> str:
     for r in result["items"]:
         r["when"] = _ts(r["died_at"] if r["state"] == "dead" else r["run_at"])
-        r["holder"] = r["worker"] or r.get("reason")
+        r["holder"] = r["worker"] or r.get("reason") or (
+            f"on {r['waiting_on']}" if r.get("waiting_on") else None)
         if r.get("cancelled_at"):
             r["state"] += " (cancelled)"
     return _render_page(result, [
@@ -186,6 +188,13 @@ def _render_show(r: dict[str, Any]) -> str:
         lines.append(f"due:          {_ts(r['run_at'])}")
     if r["state"] == "running":
         lines.append(f"lease holder: {r['worker']} (lease ends in {_age(r['lease_remaining'])})")
+    if r["state"] == "waiting":
+        cap = next((c["limit"] for c in (r.get("limits") or {}).get("concurrency", [])
+                    if c["key"] == r["waiting_on"]), "?")
+        lines.append(f"waiting:      concurrency key {r['waiting_on']} is full "
+                     f"({r['waiting_on_held']} of {cap} running; `pgjobs limits` shows them)")
+    if r.get("limits"):
+        lines.append(f"limits:       {_pretty(r['limits'])}")
     if r.get("tenant"):
         lines.append(f"tenant:       {r['tenant']}")
     if r.get("last_error"):
@@ -321,6 +330,30 @@ def _render_pause(r: dict[str, Any]) -> str:
     return f"queue {r['queue']}: {'paused' if r['paused'] else 'resumed'}"
 
 
+def cmd_limits(args: argparse.Namespace) -> dict[str, Any]:
+    """Concurrency keys: slots held, cap, holders, messages waiting; and rate windows."""
+    with _admin(args) as admin:
+        return admin.limits(prefix=args.key, limit=args.limit)
+
+
+def _render_limits(result: dict[str, Any]) -> str:
+    if not result["keys"] and not result["rates"]:
+        return "no limits in use"
+    parts = []
+    if result["keys"]:
+        rows = [{**k, "holders": " ".join(map(str, k["holders"][:8])) +
+                 (" ..." if len(k["holders"]) > 8 else ""),
+                 "oldest": _age(k["oldest_waiting_age"])} for k in result["keys"]]
+        parts.append(_table(rows, [("KEY", "key"), ("HELD", "held"), ("CAP", "cap"),
+                                   ("WAITING", "waiting"), ("OLDEST WAITING", "oldest"),
+                                   ("HELD BY", "holders")]))
+    if result["rates"]:
+        parts.append(_table([{**r, "window": _ts(r["window_start"])} for r in result["rates"]],
+                            [("RATE KEY", "key"), ("WINDOW START", "window"),
+                             ("STARTS", "starts")]))
+    return "\n\n".join(parts)
+
+
 def cmd_workers(args: argparse.Namespace) -> dict[str, Any]:
     """Live consumers, the leases they hold, and processes gone with leases still held."""
     with _admin(args) as admin:
@@ -451,6 +484,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("id")
     p.add_argument("--body", action="store_true",
                    help="decode the JSON body too (arguments as sent, unmasked)")
+
+    p = _add(sub, "limits", cmd_limits, _render_limits, common)
+    p.add_argument("--key", help="only keys starting with this (e.g. key:sync_account:)")
+    p.add_argument("--limit", type=int, default=DEFAULT_PAGE,
+                   help=f"most keys listed (default {DEFAULT_PAGE}, at most 1000)")
 
     dead = sub.add_parser("dead", help="dead letters: ls, show, requeue, purge")
     dsub = dead.add_subparsers(dest="dead_command", required=True, metavar="COMMAND")

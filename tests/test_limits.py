@@ -6,6 +6,7 @@ with real workers are in test_limits_e2e.py.
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 from typing import Any
 
@@ -14,6 +15,7 @@ import pytest
 from celery import Celery
 
 import celery_ext
+from kombu_pgjobs.cli import main as cli
 from kombu_pgjobs.core import QueueCore, job_from_message
 from kombu_pgjobs.errors import InvalidLimit, InvalidLimitKey, MessageError
 from kombu_pgjobs.limits import LIMITS_HEADER
@@ -243,3 +245,35 @@ def test_limited_task_with_early_ack_is_refused():
 def test_message_error_is_still_raised_for_other_bad_input():
     with pytest.raises(MessageError):
         job_from_message("q", {"headers": {}, "properties": {"priority": "high"}})
+
+
+def test_cli_shows_held_slots_and_why_a_message_waits(db, schema, url, capsys):
+    core = _core(db, schema)
+    _publish(core, db, [(f"a{i}", _keyed("key:sync:acct-1", 2)) for i in range(5)]
+             + [("r", {"rate": [{"key": "tenant:acme", "limit": 5, "per": 60}]})])
+    held = core.claim(db, ["q"], 8).claimed
+    assert len(held) == 3  # two slots of the key, and the rated one
+
+    def run(*argv: str) -> Any:
+        capsys.readouterr()
+        assert cli([*argv, "--dsn", url, "--schema", schema, "--json"]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    limits = run("limits")
+    (key,) = limits["keys"]
+    assert key["key"] == "key:sync:acct-1" and key["held"] == 2 and key["cap"] == 2
+    assert key["waiting"] == 3
+    assert sorted(key["holders"]) == sorted(c.id for c in held if '"r"' not in c.message)
+    assert [r["key"] for r in limits["rates"]] == ["tenant:acme"]
+    assert limits["rates"][0]["starts"] == 1
+    waiting = run("ls", "--state", "waiting")["items"]
+    assert len(waiting) == 3 and all(w["waiting_on"] == "key:sync:acct-1" for w in waiting)
+    shown = run("show", str(waiting[0]["id"]))
+    assert shown["state"] == "waiting" and shown["waiting_on_held"] == 2
+    capsys.readouterr()
+    assert cli(["show", str(waiting[0]["id"]), "--dsn", url, "--schema", schema]) == 0
+    text = capsys.readouterr().out
+    assert "concurrency key key:sync:acct-1 is full (2 of 2 running" in text
+    assert cli(["queues", "--dsn", url, "--schema", schema, "--json"]) == 0
+    (queue,) = json.loads(capsys.readouterr().out)["queues"]
+    assert queue["waiting"] == 3 and queue["running"] == 3

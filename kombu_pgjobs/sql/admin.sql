@@ -6,7 +6,8 @@ SELECT EXISTS (SELECT 1 FROM {schema}.pgjobs_queue WHERE name = %(queue)s)
     OR EXISTS (SELECT 1 FROM {schema}.pgjobs_dead_letter WHERE queue = %(queue)s);
 
 -- name: admin_queue_stats :many
--- Per queue: ready (due now), delayed (waiting for their ETA), running (leased), dead letters,
+-- Per queue: ready (due now), delayed (waiting for their ETA), running (leased), waiting
+-- (parked by a full concurrency key), dead letters,
 -- paused, the age in seconds of the oldest ready message, and the settle counters of the last
 -- %(minutes)s minute buckets (the current, partial minute included) as {outcome: n}.
 -- %(queue)s NULL: every queue. Reads only; takes no row locks.
@@ -19,6 +20,7 @@ WITH names AS (
            count(*) FILTER (WHERE state = 'ready' AND run_at <= now()) AS ready,
            count(*) FILTER (WHERE state = 'ready' AND run_at > now()) AS delayed,
            count(*) FILTER (WHERE state = 'running') AS running,
+           count(*) FILTER (WHERE state = 'waiting') AS waiting,
            extract(epoch FROM now() - min(run_at) FILTER (
                WHERE state = 'ready' AND run_at <= now()))::float8 AS oldest_ready_age
       FROM {schema}.pgjobs_job
@@ -38,6 +40,7 @@ SELECT n.name AS queue,
        coalesce(j.ready, 0) AS ready,
        coalesce(j.delayed, 0) AS delayed,
        coalesce(j.running, 0) AS running,
+       coalesce(j.waiting, 0) AS waiting,
        coalesce(d.dead, 0) AS dead,
        coalesce(q.paused, false) AS paused,
        j.oldest_ready_age,
@@ -52,18 +55,20 @@ SELECT n.name AS queue,
 
 -- name: admin_ls :many
 -- One page of messages, live and dead, in id order after %(after)s (keyset pagination: the
--- caller passes the last id it saw). Live rows get a derived state: ready, delayed or running.
+-- caller passes the last id it saw). Live rows get a derived state: ready, delayed, running or
+-- waiting (parked by a full concurrency key).
 -- Every filter is optional (NULL); %(states)s lists the states wanted. Each branch stops at
 -- %(limit)s rows, so a page costs at most two index range scans whatever the table size.
 (SELECT j.id, j.queue,
-        CASE WHEN j.state = 'running' THEN 'running'
+        CASE WHEN j.state IN ('running', 'waiting') THEN j.state
              WHEN j.run_at > now() THEN 'delayed'
              ELSE 'ready' END AS state,
         j.task, j.priority, j.attempts, j.max_attempts, j.claim, j.run_at, j.created_at,
         j.worker, j.lease_expires_at, j.cancelled_at,
         NULL::text AS reason, NULL::timestamptz AS died_at,
         j.message -> 'headers' ->> 'id' AS task_id,
-        j.message -> 'headers' ->> 'x-pgjobs-tenant' AS tenant
+        j.message -> 'headers' ->> 'x-pgjobs-tenant' AS tenant,
+        j.waiting_on
    FROM {schema}.pgjobs_job AS j
   WHERE j.id > %(after)s
     AND (%(queue)s::text IS NULL OR j.queue = %(queue)s)
@@ -71,7 +76,7 @@ SELECT n.name AS queue,
     AND (%(tenant)s::text IS NULL OR j.message -> 'headers' ->> 'x-pgjobs-tenant' = %(tenant)s)
     AND (%(created_after)s::timestamptz IS NULL OR j.created_at >= %(created_after)s)
     AND (%(created_before)s::timestamptz IS NULL OR j.created_at < %(created_before)s)
-    AND CASE WHEN j.state = 'running' THEN 'running'
+    AND CASE WHEN j.state IN ('running', 'waiting') THEN j.state
              WHEN j.run_at > now() THEN 'delayed'
              ELSE 'ready' END = ANY(%(states)s::text[])
   ORDER BY j.id
@@ -80,7 +85,8 @@ UNION ALL
 (SELECT d.id, d.queue, 'dead', d.task, d.priority, d.attempts, d.max_attempts, d.claim,
         NULL, d.created_at, NULL, NULL, NULL, d.reason, d.died_at,
         d.message -> 'headers' ->> 'id',
-        d.message -> 'headers' ->> 'x-pgjobs-tenant'
+        d.message -> 'headers' ->> 'x-pgjobs-tenant',
+        NULL
    FROM {schema}.pgjobs_dead_letter AS d
   WHERE 'dead' = ANY(%(states)s::text[])
     AND d.id > %(after)s
@@ -113,13 +119,17 @@ SELECT d.id, d.queue, d.task, d.priority, d.claim, d.attempts, d.max_attempts, d
 -- name: admin_job_get :one
 -- One live message with everything an operator needs to judge it (the kombu message as text).
 SELECT j.id, j.queue,
-       CASE WHEN j.state = 'running' THEN 'running'
+       CASE WHEN j.state IN ('running', 'waiting') THEN j.state
             WHEN j.run_at > now() THEN 'delayed'
             ELSE 'ready' END AS state,
        j.task, j.priority, j.run_at, j.expires_at, j.claim, j.attempts, j.max_attempts,
        j.worker, j.lease_expires_at,
        extract(epoch FROM j.lease_expires_at - now())::float8 AS lease_remaining,
-       j.cancelled_at, j.created_at, j.message::text AS message
+       j.cancelled_at, j.created_at, j.limits, j.waiting_on,
+       (SELECT count(*) FROM {schema}.pgjobs_slot AS sl
+          JOIN {schema}.pgjobs_job AS h ON h.id = sl.job_id AND h.claim = sl.claim
+         WHERE sl.limit_key = j.waiting_on AND h.state = 'running') AS waiting_on_held,
+       j.message::text AS message
   FROM {schema}.pgjobs_job AS j
  WHERE j.id = %(id)s;
 
@@ -131,10 +141,10 @@ SELECT d.id, d.queue, 'dead' AS state, d.task, d.priority, d.claim, d.attempts, 
  WHERE d.id = %(id)s;
 
 -- name: admin_locate :many
--- Where each id lives: ('job', ready|delayed|running) or ('dead', 'dead'). Absent ids are not
+-- Where each id lives: ('job', ready|delayed|running|waiting) or ('dead', 'dead'). Absent ids are not
 -- returned, so the caller can name them in a NotFound error before changing anything.
 SELECT j.id, 'job' AS place,
-       CASE WHEN j.state = 'running' THEN 'running'
+       CASE WHEN j.state IN ('running', 'waiting') THEN j.state
             WHEN j.run_at > now() THEN 'delayed'
             ELSE 'ready' END AS state
   FROM {schema}.pgjobs_job AS j
@@ -168,9 +178,12 @@ WITH picked AS (
 ), revived AS (
     INSERT INTO {schema}.pgjobs_job
            (id, queue, state, priority, run_at, claim, attempts, max_attempts, task,
-            created_at, message)
+            limits, limit_key, created_at, message)
     OVERRIDING SYSTEM VALUE
     SELECT new_id, queue, 'ready', priority, now(), claim, 0, max_attempts, task,
+           -- limits travel in the message's header (validated when it was first published)
+           (message -> 'headers' -> 'x-pgjobs-limits')::jsonb,
+           message -> 'headers' -> 'x-pgjobs-limits' -> 'concurrency' -> 0 ->> 'key',
            created_at, message
       FROM picked
     RETURNING id
@@ -215,7 +228,7 @@ UPDATE {schema}.pgjobs_job AS j
 RETURNING j.id, j.queue, pg_notify(%(channel)s, j.queue) IS NULL AS notified;
 
 -- name: admin_cancel :many
--- Cancel live messages. A ready or delayed one is deleted (counted 'cancelled'); a running one is
+-- Cancel live messages. A ready, delayed or waiting one is deleted (counted 'cancelled'); a running one is
 -- marked (cancelled_at) so that a requeue or a lapsed lease deletes it instead of bringing it
 -- back, while its holder may still ack it. Returns (outcome, id, queue).
 WITH target AS (
@@ -226,7 +239,7 @@ WITH target AS (
 ), deleted AS (
     DELETE FROM {schema}.pgjobs_job AS j
      USING target
-     WHERE j.id = target.id AND target.state = 'ready'
+     WHERE j.id = target.id AND target.state IN ('ready', 'waiting')
     RETURNING j.id, j.queue
 ), marked AS (
     UPDATE {schema}.pgjobs_job AS j
@@ -245,14 +258,14 @@ UNION ALL
 SELECT 'marked', id, queue FROM marked;
 
 -- name: admin_purge :one
--- Delete one bounded batch of a queue's ready and delayed messages (counted 'purged'). Running
+-- Delete one bounded batch of a queue's ready, delayed and waiting messages (counted 'purged'). Running
 -- messages are left to finish. Rows locked by a concurrent claim are skipped, so a purge never
 -- waits on, or holds up, a claim. Returns the number deleted.
 WITH gone AS (
     DELETE FROM {schema}.pgjobs_job
      WHERE id IN (SELECT j.id
                     FROM {schema}.pgjobs_job AS j
-                   WHERE j.queue = %(queue)s AND j.state = 'ready'
+                   WHERE j.queue = %(queue)s AND j.state IN ('ready', 'waiting')
                    ORDER BY j.id
                    LIMIT %(limit)s
                      FOR UPDATE SKIP LOCKED)
@@ -266,8 +279,9 @@ WITH gone AS (
 SELECT count(*) FROM gone;
 
 -- name: admin_queue_remaining :one
--- What a purge left in a queue: (ready and delayed, running).
-SELECT count(*) FILTER (WHERE state = 'ready'), count(*) FILTER (WHERE state = 'running')
+-- What a purge left in a queue: (ready, delayed and waiting; running).
+SELECT count(*) FILTER (WHERE state IN ('ready', 'waiting')),
+       count(*) FILTER (WHERE state = 'running')
   FROM {schema}.pgjobs_job
  WHERE queue = %(queue)s;
 
@@ -383,3 +397,41 @@ WITH src AS (
     ON CONFLICT (queue, outcome, bucket, shard) DO UPDATE SET n = c.n + excluded.n
 )
 SELECT id FROM dead;
+
+-- name: admin_limits :many
+-- Concurrency keys: slots held (by running messages with a live lease), the cap they were taken
+-- under, the ids holding them, and the messages parked on the key with the age of the oldest.
+-- %(prefix)s NULL: every key. At most %(limit)s keys, busiest first.
+WITH held AS (
+    SELECT sl.limit_key,
+           count(*) FILTER (WHERE h.state = 'running' AND h.lease_expires_at > now()) AS held,
+           max(sl.cap) AS cap,
+           array_agg(sl.job_id ORDER BY sl.slot)
+               FILTER (WHERE h.state = 'running' AND h.lease_expires_at > now()) AS holders
+      FROM {schema}.pgjobs_slot AS sl
+      LEFT JOIN {schema}.pgjobs_job AS h ON h.id = sl.job_id AND h.claim = sl.claim
+     GROUP BY sl.limit_key
+), waiting AS (
+    SELECT waiting_on AS limit_key, count(*) AS waiting,
+           extract(epoch FROM now() - min(created_at))::float8 AS oldest_waiting_age
+      FROM {schema}.pgjobs_job
+     WHERE state = 'waiting'
+     GROUP BY waiting_on
+)
+SELECT limit_key AS key, coalesce(h.held, 0) AS held, h.cap,
+       coalesce(h.holders, '{{}}') AS holders,
+       coalesce(w.waiting, 0) AS waiting, w.oldest_waiting_age
+  FROM held AS h
+  FULL JOIN waiting AS w USING (limit_key)
+ WHERE %(prefix)s::text IS NULL OR starts_with(limit_key, %(prefix)s)
+ ORDER BY coalesce(w.waiting, 0) DESC, coalesce(h.held, 0) DESC, limit_key
+ LIMIT %(limit)s;
+
+-- name: admin_rates :many
+-- Rate keys: starts admitted in the current windows (windows of the last day).
+SELECT limit_key AS key, window_start, starts
+  FROM {schema}.pgjobs_rate
+ WHERE window_start > now() - interval '1 day'
+   AND (%(prefix)s::text IS NULL OR starts_with(limit_key, %(prefix)s))
+ ORDER BY limit_key, window_start DESC
+ LIMIT %(limit)s;
