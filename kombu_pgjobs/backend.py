@@ -198,7 +198,8 @@ class Backend:
         acks = self.take_acks()
         if acks:
             try:
-                hit = self.core.ack(conn, acks)
+                limited, plain = self.split_limited(acks)
+                hit = self.core.ack(conn, plain, limited)
             except BaseException:
                 self.restore_acks(acks)
                 raise

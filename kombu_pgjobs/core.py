@@ -206,14 +206,17 @@ class QueueCore:
 
     # -- claim and settle ----------------------------------------------------------------
     def claim(self, conn: psycopg.Connection, queues: Sequence[str], n: int,
-              acks: Sequence[Pair] = ()) -> ClaimResult:
+              acks: Sequence[Pair] = (), limited: Sequence[Pair] = ()) -> ClaimResult:
         """Flush fenced acks and claim up to ``n`` due messages, in one round trip.
 
-        Acks of limited messages release slots, which a claim (n > 0) must not do in its own
-        transaction (see job_claim): they come back in ``unsettled`` for :meth:`ack`."""
+        ``limited`` are acks of messages holding concurrency slots: released first. A claim
+        (n > 0) never waits for a key's lock, so those of a busy key come back in
+        ``unsettled`` (settle them with :meth:`ack`, which waits)."""
         ack_ids, ack_claims = _pairs(acks)
+        rel_ids, rel_claims = _pairs(limited)
         rows = conn.execute(self.q["job_claim"], {
-            "ack_ids": ack_ids, "ack_claims": ack_claims, "queues": list(queues), "n": n,
+            "ack_ids": ack_ids, "ack_claims": ack_claims, "rel_ids": rel_ids,
+            "rel_claims": rel_claims, "queues": list(queues), "n": n,
             "ttl": self.lease_ttl, "worker": self.worker, "channel": self.channel,
         }).fetchall()
         claimed: list[Claimed] = []
@@ -221,9 +224,9 @@ class QueueCore:
         held_back: list[HeldBack] = []
         due_in: float | None = None
         drained = False
-        for kind, job_id, claim, queue, message, due, limited, on_key in rows:
+        for kind, job_id, claim, queue, message, due, holds_slots, on_key in rows:
             if kind == "c":
-                claimed.append(Claimed(job_id, claim, queue, message, bool(limited)))
+                claimed.append(Claimed(job_id, claim, queue, message, bool(holds_slots)))
             elif kind == "a":
                 acked.add(job_id)
             elif kind == "h":
@@ -234,13 +237,15 @@ class QueueCore:
         for h in held_back:
             if h.verdict == "refused":
                 log_event("pgjobs.limit.refused", job_id=h.id, key=h.key)
-        unsettled = [p for p in acks if p[0] not in acked] if n > 0 else []
+        unsettled = [p for p in limited if p[0] not in acked] if n > 0 else []
         return ClaimResult(claimed, acked, due_in, drained, held_back, unsettled)
 
-    def ack(self, conn: psycopg.Connection, pairs: Sequence[Pair]) -> set[int]:
-        """Fenced delete of acked messages (and release of their slots) when no claim goes
-        with them: the claim statement with nothing to claim. Returns the ids still held."""
-        return self.claim(conn, (), 0, pairs).acked
+    def ack(self, conn: psycopg.Connection, pairs: Sequence[Pair],
+            limited: Sequence[Pair] = ()) -> set[int]:
+        """Fenced delete of acked messages when no claim goes with them (the claim statement
+        with nothing to claim); ``limited`` ones release their slots, waiting for their keys'
+        locks. Returns the ids that were still held."""
+        return self.claim(conn, (), 0, pairs, limited).acked
 
     def release_orphans(self, conn: psycopg.Connection, *, limit: int = 1000) -> int:
         """Free slots whose holder is gone and wake rows parked on them (the keeper, when

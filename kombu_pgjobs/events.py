@@ -27,10 +27,10 @@ EVENTS: dict[str, tuple[str, str]] = {
         "PGJ-204", "a message whose lease lapsed was put back to ready"),
     "pgjobs.queue.expired": ("PGJ-205", "a queue unused past its x-expires was dropped"),
     "pgjobs.limit.refused": (
-        "PGJ-302", "a message found its concurrency key full and its task says "
+        "PGJ-304", "a message found its concurrency key full and its task says "
         "when_busy='fail': it was dead-lettered (reason refused) and its body never ran"),
     "pgjobs.limit.woken": (
-        "PGJ-304", "a message parked on a concurrency key with no running holder was woken "
+        "PGJ-305", "a message parked on a concurrency key with no running holder was woken "
         "by the keeper's safety net"),
 }
 

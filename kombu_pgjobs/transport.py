@@ -402,21 +402,14 @@ class Transport(virtual.Transport):
             # queue (notify handler), and must not be erased by a clear that comes after.
             self._dirty.difference_update(queues)
             acks = backend.take_acks()
-            # Acks of limited messages release slots: never in a claim's transaction (see
-            # job_claim), so they go first, in a statement of their own.
-            limited, acks = backend.split_limited(acks)
-            hit: set[int] = set()
+            limited, plain = backend.split_limited(acks)
             try:
-                if limited:
-                    hit = backend.core.ack(conn, limited)
-                    backend.settled(limited, hit, "ack")
-                    limited = []
-                result = backend.core.claim(conn, queues, n, acks)
+                result = backend.core.claim(conn, queues, n, plain, limited)
                 hit = result.acked
-                if result.unsettled:  # limited after all (a lease from before a reconnect)
-                    hit = hit | backend.core.ack(conn, result.unsettled)
+                if result.unsettled:  # a key's lock was busy: settle them now, waiting
+                    hit = hit | backend.core.ack(conn, (), result.unsettled)
             except BaseException:
-                backend.restore_acks(limited + acks)
+                backend.restore_acks(acks)
                 self._dirty.update(queues)
                 if conn.closed or conn.broken:
                     self._conn = None

@@ -81,7 +81,7 @@ def test_parked_rows_burn_no_attempt_and_wake_one_per_release(db, schema):
         f"SELECT max(attempts) FROM \"{schema}\".pgjobs_job WHERE state = 'waiting'").fetchone()
     assert attempts[0] == 0, "a parked message burns no attempt"
     # An ack releases one slot and wakes exactly one parked row.
-    core.ack(db, [(first.claimed[0].id, first.claimed[0].claim)])
+    core.ack(db, (), [(first.claimed[0].id, first.claimed[0].claim)])
     assert _states(db, schema) == {"running": 1, "waiting": 3, "ready": 1}
     again = core.claim(db, ["q"], 6)
     assert len(again.claimed) == 1
@@ -92,17 +92,34 @@ def test_parked_rows_burn_no_attempt_and_wake_one_per_release(db, schema):
     assert slots == 1
 
 
-def test_a_claim_does_not_release_limited_acks_but_hands_them_back(db, schema):
+def test_acks_ride_on_the_claim_and_release_slots_first(db, schema):
     core = _core(db, schema)
-    _publish(core, db, [("a", _keyed("k", 1)), ("plain", None)])
-    got = core.claim(db, ["q"], 2).claimed
-    pairs = [(c.id, c.claim) for c in got]
-    result = core.claim(db, ["q"], 2, pairs)
+    _publish(core, db, [("a", _keyed("k", 1)), ("plain", None), ("b", _keyed("k", 1))])
+    got = core.claim(db, ["q"], 3).claimed
+    assert [c.limited for c in got] == [True, False]
+    assert _states(db, schema) == {"running": 2, "waiting": 1}
+    plain = [(c.id, c.claim) for c in got if not c.limited]
     limited = [(c.id, c.claim) for c in got if c.limited]
-    assert result.unsettled == limited
-    assert result.acked == {c.id for c in got if not c.limited}
-    assert core.ack(db, result.unsettled) == {limited[0][0]}
-    assert db.execute(f'SELECT count(*) FROM "{schema}".pgjobs_slot').fetchone()[0] == 0
+    result = core.claim(db, ["q"], 2, plain, limited)
+    assert result.acked == {c.id for c in got} and result.unsettled == []
+    # The release ran before admission and woke "b"; "b" is claimed next (the claim's own
+    # snapshot predates the wake-up).
+    assert _states(db, schema) == {"ready": 1}
+    (b,) = core.claim(db, ["q"], 2).claimed
+    assert '"b"' in b.message and b.limited
+
+
+def test_a_limited_ack_sent_as_plain_frees_the_slot_for_takers(db, schema):
+    core = _core(db, schema)
+    _publish(core, db, [("a", _keyed("k", 1)), ("b", _keyed("k", 1)), ("c", _keyed("k", 1))])
+    (a,) = core.claim(db, ["q"], 3).claimed
+    assert core.ack(db, [(a.id, a.claim)]) == {a.id}  # no release: the slot is orphaned
+    _publish(core, db, [("d", _keyed("k", 1))])
+    (d,) = core.claim(db, ["q"], 3).claimed  # a holder that is gone holds nothing
+    assert '"d"' in d.message
+    core.ack(db, (), [(d.id, d.claim)])
+    assert _states(db, schema) == {"ready": 1, "waiting": 1}
+    assert core.release_orphans(db) == 0  # nothing orphaned left: d's release took it over
 
 
 def test_flood_of_one_key_does_not_block_other_keys(db, schema):

@@ -82,106 +82,128 @@ CREATE FUNCTION {schema}.pgjobs_admit_v1(p_id bigint, p_claim integer, p_limits 
 RETURNS {schema}.pgjobs_verdict
 LANGUAGE plpgsql AS $$
 DECLARE
-    on_key text;
     lock_class integer := hashtext(p_channel || '.limit');
-    rate_class integer := hashtext(p_channel || '.rate');
     caps jsonb := coalesce(p_limits -> 'concurrency', '[]'::jsonb);
     rates jsonb := coalesce(p_limits -> 'rate', '[]'::jsonb);
+    n_caps integer := jsonb_array_length(caps);
+    n_rates integer := jsonb_array_length(rates);
+    keys text[] := '{{}}';
+    limits integer[] := '{{}}';
+    free integer[] := '{{}}';
+    windows timestamptz[] := '{{}}';
+    taken integer[];
+    on_key text;
     e jsonb;
-    free integer[] := '{{}}'::integer[];
+    cap integer;
     s integer;
+    per float8;
     ws timestamptz;
     used integer;
-    i integer;
 BEGIN
-    FOR e IN SELECT value FROM jsonb_array_elements(caps) LOOP
+    FOR i IN 0 .. n_caps - 1 LOOP
+        e := caps -> i;
         on_key := e ->> 'key';
+        cap := (e ->> 'limit')::integer;
         IF NOT pg_try_advisory_xact_lock(lock_class, hashtext(on_key)) THEN
             RETURN ROW('busy', on_key, false, NULL)::{schema}.pgjobs_verdict;
         END IF;
-        -- The lowest slot whose row is absent or whose holder no longer holds it.
-        SELECT n INTO s
-          FROM generate_series(0, (e ->> 'limit')::integer - 1) AS n
-         WHERE NOT EXISTS (
-                SELECT 1
-                  FROM {schema}.pgjobs_slot AS sl
-                  JOIN {schema}.pgjobs_job AS h ON h.id = sl.job_id AND h.claim = sl.claim
-                 WHERE sl.limit_key = on_key AND sl.slot = n
-                   AND ((h.claim = sl.claim AND h.state = 'running'
-                         AND h.lease_expires_at > now())
-                        -- taken earlier in this very claim (its row is not running yet)
-                        OR h.claim = sl.claim - 1))
-         ORDER BY n
-         LIMIT 1;
-        IF s IS NULL THEN
+        -- Slots of this key still held: by a running holder under the claim that took them
+        -- with a live lease, or taken earlier in this very claim (its row is not running yet).
+        SELECT array_agg(sl.slot) INTO taken
+          FROM {schema}.pgjobs_slot AS sl
+          JOIN {schema}.pgjobs_job AS h ON h.id = sl.job_id
+         WHERE sl.limit_key = on_key
+           AND ((h.claim = sl.claim AND h.state = 'running' AND h.lease_expires_at > now())
+                OR h.claim = sl.claim - 1);
+        IF coalesce(cardinality(taken), 0) >= cap THEN
             RETURN ROW('full', on_key, coalesce(e ->> 'when_busy', 'wait') = 'fail', NULL)
                    ::{schema}.pgjobs_verdict;
         END IF;
+        s := 0;  -- the lowest free slot number
+        WHILE s = ANY(taken) LOOP
+            s := s + 1;
+        END LOOP;
+        keys := keys || on_key;
+        limits := limits || cap;
         free := free || s;
     END LOOP;
-    FOR e IN SELECT value FROM jsonb_array_elements(rates) LOOP
+    FOR i IN 0 .. n_rates - 1 LOOP
+        e := rates -> i;
         on_key := e ->> 'key';
-        IF NOT pg_try_advisory_xact_lock(rate_class, hashtext(on_key)) THEN
+        per := (e ->> 'per')::float8;
+        IF NOT pg_try_advisory_xact_lock(hashtext(p_channel || '.rate'), hashtext(on_key)) THEN
             RETURN ROW('busy', on_key, false, NULL)::{schema}.pgjobs_verdict;
         END IF;
-        ws := to_timestamp(floor(extract(epoch FROM now()) / (e ->> 'per')::float8)
-                           * (e ->> 'per')::float8);
+        ws := to_timestamp(floor(extract(epoch FROM now()) / per) * per);
         SELECT r.starts INTO used FROM {schema}.pgjobs_rate AS r
          WHERE r.limit_key = on_key AND r.window_start = ws;
         IF coalesce(used, 0) >= (e ->> 'limit')::integer THEN
-            RETURN ROW('later', on_key, false, ws + make_interval(secs => (e ->> 'per')::float8))
+            RETURN ROW('later', on_key, false, ws + make_interval(secs => per))
                    ::{schema}.pgjobs_verdict;
         END IF;
+        windows := windows || ws;
     END LOOP;
     -- Every cap and rate has room: take the slots, count the starts.
-    i := 0;
-    FOR e IN SELECT value FROM jsonb_array_elements(caps) LOOP
-        i := i + 1;
+    IF n_caps > 0 THEN
         INSERT INTO {schema}.pgjobs_slot AS sl (limit_key, slot, cap, job_id, claim)
-        VALUES (e ->> 'key', free[i], (e ->> 'limit')::integer, p_id, p_claim)
+        SELECT k, f, c, p_id, p_claim FROM unnest(keys, free, limits) AS t(k, f, c)
         ON CONFLICT (limit_key, slot) DO UPDATE
            SET cap = excluded.cap, job_id = excluded.job_id, claim = excluded.claim,
                taken_at = now();
-    END LOOP;
-    FOR e IN SELECT value FROM jsonb_array_elements(rates) LOOP
-        ws := to_timestamp(floor(extract(epoch FROM now()) / (e ->> 'per')::float8)
-                           * (e ->> 'per')::float8);
+    END IF;
+    IF n_rates > 0 THEN
         INSERT INTO {schema}.pgjobs_rate AS r (limit_key, window_start, starts)
-        VALUES (e ->> 'key', ws, 1)
+        SELECT e2 ->> 'key', w, 1
+          FROM unnest(windows) WITH ORDINALITY AS t(w, i)
+         CROSS JOIN LATERAL (SELECT rates -> (t.i::integer - 1) AS e2) AS x
         ON CONFLICT (limit_key, window_start) DO UPDATE SET starts = r.starts + 1;
-    END LOOP;
+    END IF;
     RETURN ROW('ok', NULL, false, NULL)::{schema}.pgjobs_verdict;
 END
 $$;
 
 -- Release the slots taken by these (job id, claim) pairs (settled, requeued, lapsed: a later
--- claim of the same job keeps its own slots) and wake, per key, as many
--- parked rows as slots were freed. Waits for each key's lock, in key order (so two releases
--- never deadlock), before touching its slots; each statement below then sees what any claim
--- that held the lock committed, including rows it parked. Returns the number of rows woken.
+-- claim of the same job keeps its own slots) and wake, per key, as many parked rows as slots
+-- were freed. With p_wait it waits for each key's lock, in key order (two releases never
+-- deadlock); without, it only tries them, and leaves the pairs of a busy key alone (a claim
+-- that settles acks must never wait for a key's lock while it may hold others). Either way each
+-- statement below runs after the locks are held, so it sees whatever a claim that held them
+-- committed, including rows it parked: no lost wake-up. Returns the pairs released (or that
+-- held no slot): the caller may settle those rows.
 CREATE FUNCTION {schema}.pgjobs_release_v1(p_ids bigint[], p_claims integer[],
-                                           p_channel text)
-RETURNS integer
+                                           p_channel text, p_wait boolean)
+RETURNS TABLE (id bigint, claim integer)
 LANGUAGE plpgsql AS $$
 DECLARE
     lock_class integer := hashtext(p_channel || '.limit');
     k text;
-    woken integer := 0;
+    busy text[] := '{{}}';
 BEGIN
     IF p_ids IS NULL OR cardinality(p_ids) = 0 THEN
-        RETURN 0;
+        RETURN;
     END IF;
     FOR k IN SELECT DISTINCT sl.limit_key
                FROM {schema}.pgjobs_slot AS sl
                JOIN unnest(p_ids, p_claims) AS r(id, claim)
                  ON sl.job_id = r.id AND sl.claim = r.claim
               ORDER BY sl.limit_key LOOP
-        PERFORM pg_advisory_xact_lock(lock_class, hashtext(k));
+        IF p_wait THEN
+            PERFORM pg_advisory_xact_lock(lock_class, hashtext(k));
+        ELSIF NOT pg_try_advisory_xact_lock(lock_class, hashtext(k)) THEN
+            busy := busy || k;
+        END IF;
     END LOOP;
-    WITH gone AS (
+    RETURN QUERY
+    WITH pairs AS (
+        SELECT r.id, r.claim,
+               EXISTS (SELECT 1 FROM {schema}.pgjobs_slot AS sl
+                        WHERE sl.job_id = r.id AND sl.claim = r.claim
+                          AND sl.limit_key = ANY(busy)) AS blocked
+          FROM unnest(p_ids, p_claims) AS r(id, claim)
+    ), gone AS (
         DELETE FROM {schema}.pgjobs_slot AS sl
-         USING unnest(p_ids, p_claims) AS r(id, claim)
-         WHERE sl.job_id = r.id AND sl.claim = r.claim
+         USING pairs
+         WHERE NOT pairs.blocked AND sl.job_id = pairs.id AND sl.claim = pairs.claim
         RETURNING sl.limit_key
     ), freed AS (
         SELECT limit_key, count(*) AS n FROM gone GROUP BY limit_key
@@ -200,9 +222,10 @@ BEGIN
           FROM picked
          WHERE j.id = picked.id
         RETURNING j.queue
+    ), notified AS (
+        SELECT count(*) AS n
+          FROM (SELECT pg_notify(p_channel, queue) FROM back GROUP BY queue) AS q
     )
-    SELECT coalesce(sum(n), 0) INTO woken
-      FROM (SELECT count(*) AS n, pg_notify(p_channel, queue) FROM back GROUP BY queue) AS q;
-    RETURN woken;
+    SELECT pairs.id, pairs.claim FROM pairs, notified WHERE NOT pairs.blocked;
 END
 $$;

@@ -43,26 +43,30 @@ SELECT b.queue, %(priority)s, coalesce(%(run_at)s, now()),
 -- Returns kind 'c' rows (claimed: id, claim, queue, message, limited), kind 'a' rows (acks that
 -- hit their fence), kind 'h' rows (held back by a limit: id, on_key and, as message, the
 -- verdict: parked, refused, later or busy),
--- one kind 'w' row when releases woke parked rows (due_in: how many) and, when fewer than
+-- and, when fewer than
 -- %(n)s were claimed and none was held back, one kind 'n' row whose due_in is the number of
 -- seconds until a delayed message of these queues is due (NULL if none).
 -- Limits: a candidate with limits is admitted by pgjobs_admit_v1 (it takes the slots); one that
 -- finds a key full is parked ('waiting'), or refused into the dead letters when its when_busy
 -- is 'fail'; one whose rate is spent waits for the next window (run_at). None of these counts
--- an attempt. Acks of limited messages release slots under a wait for the key's lock, which
--- must never happen in a transaction that also tried keys' locks (two such could deadlock):
--- they are settled here only when nothing is claimed (%(n)s = 0); a claim leaves them alone
--- and the caller sends them in a claim of 0.
-WITH acked AS (
+-- an attempt. Acks of messages holding slots come separately (%(rel_ids)s, %(rel_claims)s):
+-- their slots are released first (before any candidate is admitted, so a candidate sees them
+-- free) when their keys' locks can be had at once; a claim never waits for a key's lock, so
+-- the acks of a busy key are left held and come back in the 'a' rows' absence (the caller
+-- settles them with %(n)s = 0, which waits).
+WITH released AS (
+    SELECT r.id, r.claim
+      FROM {schema}.pgjobs_release_v1(%(rel_ids)s::bigint[], %(rel_claims)s::int[],
+                                      %(channel)s, %(n)s = 0) AS r
+     WHERE cardinality(%(rel_ids)s::bigint[]) > 0
+), acked AS (
     -- Fenced ack: only the holder of this exact claim, still running, may delete the row.
     DELETE FROM {schema}.pgjobs_job AS j
-     USING unnest(%(ack_ids)s::bigint[], %(ack_claims)s::int[]) AS a(id, claim)
+     USING (SELECT * FROM unnest(%(ack_ids)s::bigint[], %(ack_claims)s::int[])
+            UNION ALL
+            SELECT id, claim FROM released) AS a(id, claim)
      WHERE j.id = a.id AND j.claim = a.claim AND j.state = 'running'
-       AND (j.limits IS NULL OR %(n)s = 0)
-    RETURNING j.id, j.claim, j.queue, j.limits IS NOT NULL AS limited
-), released AS (
-    SELECT {schema}.pgjobs_release_v1(array_agg(id), array_agg(claim), %(channel)s) AS woken
-      FROM acked WHERE limited HAVING count(*) > 0
+    RETURNING j.id, j.queue
 ), acked_count AS (
     -- The settle counter moves in the statement that settles (one shard per process).
     INSERT INTO {schema}.pgjobs_counter AS c (queue, outcome, bucket, shard, n)
@@ -86,6 +90,7 @@ WITH acked AS (
                FOR UPDATE SKIP LOCKED
            ) AS c
      WHERE q.paused IS NOT TRUE
+       AND (SELECT count(*) FROM released) >= 0  -- slots are released before any admission
      ORDER BY c.priority DESC, c.run_at, c.id
      LIMIT %(n)s
 ), admitted AS MATERIALIZED (
@@ -110,7 +115,8 @@ WITH acked AS (
            worker = %(worker)s
       FROM verdicts AS v
      WHERE j.id = v.id AND v.verdict = 'ok'
-    RETURNING j.id, j.claim, j.queue, j.priority, j.run_at, j.message, v.limited
+    RETURNING j.id, j.claim, j.queue, j.priority, j.run_at, j.message,
+              j.limit_key IS NOT NULL AS limited
 ), parked AS (
     UPDATE {schema}.pgjobs_job AS j
        SET state = 'waiting', waiting_on = v.on_key
@@ -165,14 +171,12 @@ SELECT 'c' AS kind, id, claim, queue, message::text AS message, NULL::float8 AS 
        limited, NULL::text AS on_key
   FROM (SELECT * FROM claimed ORDER BY priority DESC, run_at, id) AS ordered
 UNION ALL
-SELECT 'a', id, NULL, queue, NULL, NULL, limited, NULL FROM acked
+SELECT 'a', id, NULL, queue, NULL, NULL, NULL, NULL FROM acked
 UNION ALL
 SELECT 'h', v.id, NULL, NULL,
        CASE WHEN v.verdict <> 'full' THEN v.verdict WHEN v.fail THEN 'refused' ELSE 'parked' END,
        NULL, true, v.on_key
   FROM verdicts AS v WHERE v.verdict <> 'ok'
-UNION ALL
-SELECT 'w', NULL, NULL, NULL, NULL, woken, NULL, NULL FROM released WHERE woken > 0
 UNION ALL
 SELECT 'n', NULL, NULL, NULL, NULL,
        (SELECT extract(epoch FROM min(j.run_at) - now())::float8
@@ -189,7 +193,7 @@ SELECT 'n', NULL, NULL, NULL, NULL,
 -- task that requeues itself forever, or a cancelled one, cannot come back. NOTIFY wakes
 -- consumers. Returns (id, outcome).
 WITH held AS (
-    SELECT j.id, j.claim, j.limits IS NOT NULL AS limited,
+    SELECT j.id, j.claim, j.limit_key IS NOT NULL AS limited,
            CASE WHEN j.cancelled_at IS NOT NULL THEN 'cancelled'
                 WHEN NOT %(uncount)s
                      AND j.attempts >= coalesce(j.max_attempts, %(max_attempts)s) THEN 'dead'
@@ -225,8 +229,10 @@ WITH held AS (
       FROM removed WHERE outcome = 'dead'
 ), released AS (
     -- Slots of limited messages are freed (and their parked rows woken) in the same statement.
-    SELECT {schema}.pgjobs_release_v1(array_agg(id), array_agg(claim), %(channel)s) AS woken
-      FROM held WHERE limited HAVING count(*) > 0
+    SELECT r.id
+      FROM (SELECT array_agg(id) AS ids, array_agg(claim) AS claims
+              FROM held WHERE limited HAVING count(*) > 0) AS h
+     CROSS JOIN LATERAL {schema}.pgjobs_release_v1(h.ids, h.claims, %(channel)s, true) AS r
 ), settled AS (
     SELECT id, queue, 'requeued' AS outcome FROM back
     UNION ALL
@@ -250,8 +256,10 @@ WITH dead AS (
      WHERE j.id = a.id AND j.claim = a.claim AND j.state = 'running'
     RETURNING j.*
 ), released AS (
-    SELECT {schema}.pgjobs_release_v1(array_agg(id), array_agg(claim), %(channel)s) AS woken
-      FROM dead WHERE limits IS NOT NULL HAVING count(*) > 0
+    SELECT r.id
+      FROM (SELECT array_agg(id) AS ids, array_agg(claim) AS claims
+              FROM dead WHERE limit_key IS NOT NULL HAVING count(*) > 0) AS d
+     CROSS JOIN LATERAL {schema}.pgjobs_release_v1(d.ids, d.claims, %(channel)s, true) AS r
 ), counted AS (
     INSERT INTO {schema}.pgjobs_counter AS c (queue, outcome, bucket, shard, n)
     SELECT queue, 'dead', date_trunc('minute', now()), %(worker)s, count(*)
@@ -291,7 +299,7 @@ RETURNING j.id;
 --    holds lapsed rows' locks. A 'release' row says job_release_orphans has work.
 -- Each step is bounded by %(limit)s rows. Returns (outcome, id, queue) rows for logging.
 WITH lapsed AS (
-    SELECT j.id, j.limits IS NOT NULL AS limited
+    SELECT j.id, j.limit_key IS NOT NULL AS limited
       FROM {schema}.pgjobs_job AS j
      WHERE j.state = 'running' AND j.lease_expires_at < now()
      ORDER BY j.lease_expires_at
@@ -408,13 +416,16 @@ SELECT 'queue_expired', NULL, name, false FROM gone;
 -- name: job_release_orphans :one
 -- Release slots whose holder no longer holds them (a rescued or deleted job, an ack that skipped
 -- the release) and wake the rows parked on their keys. Its own transaction: it waits for key
--- locks and holds no other lock meanwhile. Returns the number of rows woken.
-SELECT coalesce({schema}.pgjobs_release_v1(array_agg(id), array_agg(claim), %(channel)s), 0)
-  FROM (SELECT sl.job_id AS id, sl.claim
-          FROM {schema}.pgjobs_slot AS sl
-          LEFT JOIN {schema}.pgjobs_job AS h ON h.id = sl.job_id AND h.claim = sl.claim
-         WHERE h.id IS NULL OR h.state <> 'running'
-         LIMIT %(limit)s) AS orphaned;
+-- locks and holds no other lock meanwhile. Returns the number of pairs released.
+SELECT count(*)
+  FROM (SELECT array_agg(id) AS ids, array_agg(claim) AS claims
+          FROM (SELECT sl.job_id AS id, sl.claim
+                  FROM {schema}.pgjobs_slot AS sl
+                  LEFT JOIN {schema}.pgjobs_job AS h ON h.id = sl.job_id AND h.claim = sl.claim
+                 WHERE h.id IS NULL OR h.state <> 'running'
+                 LIMIT %(limit)s) AS orphaned
+        HAVING count(*) > 0) AS o
+ CROSS JOIN LATERAL {schema}.pgjobs_release_v1(o.ids, o.claims, %(channel)s, true) AS r;
 
 -- name: job_purge :one
 -- Purge a queue's ready messages (running ones finish and are acked as usual).

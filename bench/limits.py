@@ -1,0 +1,109 @@
+"""Claim throughput with limits on versus off: kombu consume+ack from one process, no Celery.
+
+    python -m bench.limits [--n 10000] [--prefetch 32] [--keys 100] [--per-key 4] [--runs 3]
+
+Each run publishes N messages and drains them with one kombu Consumer acking each message, four
+ways, in the same run:
+
+* ``off``: no limits (the plain claim);
+* ``keyed``: every message carries a concurrency key (one of ``--keys``, ``--per-key`` each);
+* ``keyed+cap``: the key plus a fleet-wide cap of the prefetch window (two slots per message);
+* ``rate``: a start rate per key high enough never to bind (the rate bookkeeping alone).
+
+It reports the median msg/s of each and its ratio to ``off``. With one consumer the caps never
+bind, so the figure is what the slot bookkeeping costs per claim and ack, not waiting. Schema
+``bench_limits``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+import kombu
+import psycopg
+
+from kombu_pgjobs.core import job_from_message
+from kombu_pgjobs.limits import LIMITS_HEADER
+
+SCHEMA = "bench_limits"
+
+
+def _limits(mode: str, i: int, keys: int, per_key: int, prefetch: int) -> Any:
+    key = {"key": f"key:bench:{i % keys}", "limit": per_key}
+    if mode == "keyed":
+        return {"concurrency": [key]}
+    if mode == "keyed+cap":
+        return {"concurrency": [key, {"key": "task:bench", "limit": prefetch}]}
+    if mode == "rate":
+        return {"rate": [{"key": f"tenant:{i % keys}", "limit": 100_000, "per": 60}]}
+    return None
+
+
+def one_run(conn: kombu.Connection, mode: str, n: int, prefetch: int, keys: int,
+            per_key: int) -> float:
+    queue = kombu.Queue("kl", kombu.Exchange("kl"), "kl")
+    channel = conn.channel()
+    queue(channel).declare()
+    queue(channel).purge()
+    backend = conn.transport.backend
+    jobs = []
+    for i in range(n):
+        message = channel.prepare_message('{"x": 1}', content_type="application/json",
+                                          content_encoding="utf-8")
+        limits = _limits(mode, i, keys, per_key, prefetch)
+        if limits is not None:
+            message["headers"] = {LIMITS_HEADER: limits}
+        jobs.append(job_from_message("kl", message))
+    for i in range(0, n, 1000):
+        chunk = jobs[i:i + 1000]
+        backend.publishing(lambda c, chunk=chunk: backend.core.publish_many(c, chunk))
+    got = 0
+
+    def on_message(body: object, msg: kombu.Message) -> None:
+        nonlocal got
+        got += 1
+        msg.ack()
+
+    with kombu.Consumer(channel, [queue], callbacks=[on_message], accept=["json"],
+                        prefetch_count=prefetch):
+        start = time.perf_counter()
+        while got < n:
+            conn.drain_events(timeout=10)
+        rate = n / (time.perf_counter() - start)
+    channel.close()
+    return rate
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--url", default="pgjobs://postgres@127.0.0.1:5432/test")
+    parser.add_argument("--n", type=int, default=10_000)
+    parser.add_argument("--prefetch", type=int, default=32)
+    parser.add_argument("--keys", type=int, default=100)
+    parser.add_argument("--per-key", type=int, default=4)
+    parser.add_argument("--runs", type=int, default=3)
+    args = parser.parse_args()
+    modes = ("off", "keyed", "keyed+cap", "rate")
+    results: dict[str, list[float]] = {m: [] for m in modes}
+    with kombu.Connection(args.url, transport_options={"schema": SCHEMA}) as conn:
+        for _ in range(args.runs):
+            for mode in modes:
+                results[mode].append(one_run(conn, mode, args.n, args.prefetch, args.keys,
+                                             args.per_key))
+    base = statistics.median(results["off"])
+    print(f"consume+ack, N={args.n}, prefetch {args.prefetch}, {args.keys} keys x "
+          f"{args.per_key}, median of {args.runs} runs")
+    print(f"{'mode':<10} {'msg/s':>8} {'min-max':>15} {'vs off':>7}")
+    for mode in modes:
+        med = statistics.median(results[mode])
+        spread = f"{min(results[mode]):,.0f}-{max(results[mode]):,.0f}"
+        print(f"{mode:<10} {med:>8,.0f} {spread:>15} {med / base:>6.2f}x")
+    with psycopg.connect(args.url.replace("pgjobs://", "postgresql://"), autocommit=True) as db:
+        db.execute(f"DROP SCHEMA IF EXISTS {SCHEMA} CASCADE")
+
+
+if __name__ == "__main__":
+    main()
