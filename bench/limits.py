@@ -11,15 +11,22 @@ ways, in the same run:
 * ``rate``: a start rate per key high enough never to bind (the rate bookkeeping alone).
 
 It reports the median msg/s of each and its ratio to ``off``. With one consumer the caps never
-bind, so the figure is what the slot bookkeeping costs per claim and ack, not waiting. Schema
-``bench_limits``.
+bind, so the figure is what the slot bookkeeping costs per claim and ack, not waiting.
+
+``--celery`` adds the same comparison (off / keyed) inside a real ``celery worker`` (the
+benchmark app, threads pool, ``--concurrency`` 8): the drain rate of N no-op tasks published with
+and without a concurrency key. Schema ``bench_limits``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import kombu
@@ -77,6 +84,32 @@ def one_run(conn: kombu.Connection, mode: str, n: int, prefetch: int, keys: int,
     return rate
 
 
+def celery_run(url: str, mode: str, n: int, keys: int, per_key: int) -> float:
+    """Drain rate (tasks/s) of a real worker over N no-op tasks published with ``mode``."""
+    import kombu_pgjobs
+    from bench.app import app, noop
+    from bench.worker import Worker
+
+    with tempfile.TemporaryDirectory() as state:
+        env = {**os.environ, "BENCH_BROKER_URL": url, "BENCH_STATE_DIR": state,
+               "BENCH_TRANSPORT_OPTIONS": json.dumps({"schema": SCHEMA}),
+               "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+        with app.connection_for_write() as conn:
+            conn.default_channel.queue_purge("bench")
+        with kombu_pgjobs.batch():
+            for i in range(n):
+                limits = _limits(mode, i, keys, per_key, 0)
+                noop.apply_async((i,), headers={LIMITS_HEADER: limits} if limits else None)
+        worker = Worker(pool="threads", concurrency=8, env=env, state_dir=Path(state),
+                        cwd=Path(__file__).resolve().parent.parent)
+        with worker:
+            t_ready = worker.wait_ready(60)
+            done, t_done = worker.wait_count(n, 120)
+        if done < n:
+            raise SystemExit(f"only {done}/{n} ran: {worker.log_tail()}")
+        return n / (t_done - t_ready)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", default="pgjobs://postgres@127.0.0.1:5432/test")
@@ -85,7 +118,11 @@ def main() -> None:
     parser.add_argument("--keys", type=int, default=100)
     parser.add_argument("--per-key", type=int, default=4)
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--celery", action="store_true",
+                        help="also drain through a real celery worker (off vs keyed)")
     args = parser.parse_args()
+    os.environ.setdefault("BENCH_BROKER_URL", args.url)
+    os.environ.setdefault("BENCH_TRANSPORT_OPTIONS", json.dumps({"schema": SCHEMA}))
     modes = ("off", "keyed", "keyed+cap", "rate")
     results: dict[str, list[float]] = {m: [] for m in modes}
     with kombu.Connection(args.url, transport_options={"schema": SCHEMA}) as conn:
@@ -101,6 +138,17 @@ def main() -> None:
         med = statistics.median(results[mode])
         spread = f"{min(results[mode]):,.0f}-{max(results[mode]):,.0f}"
         print(f"{mode:<10} {med:>8,.0f} {spread:>15} {med / base:>6.2f}x")
+    if args.celery:
+        drained: dict[str, list[float]] = {"off": [], "keyed": []}
+        for _ in range(args.runs):
+            for mode in drained:
+                drained[mode].append(celery_run(args.url, mode, args.n, args.keys, args.per_key))
+        base = statistics.median(drained["off"])
+        print(f"celery worker drain (threads x 8), N={args.n}, median of {args.runs} runs")
+        for mode, rates in drained.items():
+            med = statistics.median(rates)
+            print(f"{mode:<10} {med:>8,.0f} {min(rates):>7,.0f}-{max(rates):<7,.0f}"
+                  f" {med / base:>6.2f}x")
     with psycopg.connect(args.url.replace("pgjobs://", "postgresql://"), autocommit=True) as db:
         db.execute(f"DROP SCHEMA IF EXISTS {SCHEMA} CASCADE")
 
