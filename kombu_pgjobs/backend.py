@@ -175,7 +175,13 @@ class Backend:
             for job_id, claim in pairs:
                 if self.held.get(job_id) == claim:
                     del self.held[job_id]
-                    self.limited.discard(job_id)
+                self.limited.discard(job_id)
+
+    def mark_limited(self, ids: list[int]) -> None:
+        """These messages hold concurrency slots: their acks must release them."""
+        if ids:
+            with self._held_lock:
+                self.limited.update(ids)
 
     def split_limited(self, pairs: list[Pair]) -> tuple[list[Pair], list[Pair]]:
         """(acks of messages holding concurrency slots, the others)."""
@@ -213,12 +219,10 @@ class Backend:
             self._acks[:0] = [(i, c, now) for i, c in acks]
 
     # -- leases --------------------------------------------------------------------------
-    def hold(self, pairs: list[Pair], limited: list[int] | None = None) -> None:
+    def hold(self, pairs: list[Pair]) -> None:
         with self._held_lock:
             for job_id, claim in pairs:
                 self.held[job_id] = claim
-            if limited:
-                self.limited.update(limited)
         self.keeper()
 
     def held_pairs(self) -> list[Pair]:

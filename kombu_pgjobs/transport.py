@@ -417,6 +417,7 @@ class Transport(virtual.Transport):
         if acks:
             backend.settled(acks, hit, "ack")
         if result.claimed:
+            backend.mark_limited([r.id for r in result.claimed if r.limited])
             held = []
             for r in result.claimed:
                 if no_ack or r.queue in channel._no_ack_queues:
@@ -424,11 +425,16 @@ class Transport(virtual.Transport):
                 else:
                     held.append((r.id, r.claim))
             if held:
-                backend.hold(held, [r.id for r in result.claimed if r.limited])
-        if result.held_back:
+                backend.hold(held)
+        if any(h.verdict != "busy" for h in result.held_back):
             # A limit parked, deferred or refused candidates: they left the claim's index, so
             # the next claim reaches the rows behind them. Claim again now.
             self._again = True
+        elif result.held_back:
+            # Only keys another claim is changing right now: try again very soon, not at once.
+            soon = time.monotonic() + 0.005
+            if self._due_at is None or soon < self._due_at:
+                self._due_at = soon
         if not result.drained:
             self._dirty.update(queues)  # more may be waiting
         else:

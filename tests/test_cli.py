@@ -108,7 +108,7 @@ def test_queues_and_ls_with_filters_and_keyset_pages(core, db, run):
     assert set(by_name) == {"alpha", "beta"}
     alpha = by_name["alpha"]
     assert set(alpha) == {"queue", "ready", "delayed", "running", "dead", "paused",
-                          "oldest_ready_age", "settled", "acked_per_minute", "minutes"}
+                          "oldest_ready_age", "waiting", "settled", "acked_per_minute", "minutes"}
     assert (alpha["ready"], alpha["delayed"], alpha["running"], alpha["dead"]) == (3, 1, 1, 1)
     assert alpha["paused"] is False and alpha["oldest_ready_age"] >= 0
     assert alpha["settled"] == {"dead": 1}
@@ -127,7 +127,7 @@ def test_queues_and_ls_with_filters_and_keyset_pages(core, db, run):
     item = page["items"][0]
     assert {"id", "queue", "state", "task", "priority", "attempts", "max_attempts", "claim",
             "run_at", "created_at", "worker", "lease_expires_at", "cancelled_at", "reason",
-            "died_at", "task_id", "tenant"} == set(item)
+            "died_at", "task_id", "tenant", "waiting_on"} == set(item)
     assert page_ids("--state", "dead") == [ids[0]]
     assert page_ids("--state", "running") == [ids[1]]
     assert page_ids("--state", "delayed") == [delayed]
