@@ -49,6 +49,15 @@ def _limits(mode: str, i: int, keys: int, per_key: int, prefetch: int) -> Any:
     return None
 
 
+def vacuum(url: str) -> None:
+    """Start every run from a vacuumed table, so that no mode pays for an earlier one's dead rows
+    (this machine's server runs with autovacuum off; see docs/benchmarks.md)."""
+    with psycopg.connect(url.replace("pgjobs://", "postgresql://"), autocommit=True) as db:
+        for table in ("pgjobs_job", "pgjobs_slot", "pgjobs_rate"):
+            if db.execute("SELECT to_regclass(%s)", (f"{SCHEMA}.{table}",)).fetchone()[0]:
+                db.execute(f"VACUUM ANALYZE {SCHEMA}.{table}")
+
+
 def one_run(conn: kombu.Connection, mode: str, n: int, prefetch: int, keys: int,
             per_key: int) -> float:
     queue = kombu.Queue("kl", kombu.Exchange("kl"), "kl")
@@ -67,6 +76,7 @@ def one_run(conn: kombu.Connection, mode: str, n: int, prefetch: int, keys: int,
     for i in range(0, n, 1000):
         chunk = jobs[i:i + 1000]
         backend.publishing(lambda c, chunk=chunk: backend.core.publish_many(c, chunk))
+    vacuum(conn.as_uri(include_password=True))
     got = 0
 
     def on_message(body: object, msg: kombu.Message) -> None:
@@ -100,6 +110,7 @@ def celery_run(url: str, mode: str, n: int, keys: int, per_key: int) -> float:
             for i in range(n):
                 limits = _limits(mode, i, keys, per_key, 0)
                 noop.apply_async((i,), headers={LIMITS_HEADER: limits} if limits else None)
+        vacuum(url)
         worker = Worker(pool="threads", concurrency=8, env=env, state_dir=Path(state),
                         cwd=Path(__file__).resolve().parent.parent)
         with worker:

@@ -89,6 +89,8 @@ class Backend:
         # leases this process holds: id -> claim; and which of them hold concurrency slots
         self.held: dict[int, int] = {}
         self.limited: set[int] = set()
+        # acks taken from the buffer and not yet settled (their rows may already be gone)
+        self._settling: set[int] = set()
         self._held_lock = threading.Lock()
         self.consumed: dict[str, int] = {}
         self._keeper: Keeper | None = None
@@ -167,7 +169,17 @@ class Backend:
     def take_acks(self) -> list[Pair]:
         with self._acks_lock:
             acks, self._acks = self._acks, []
+            self._settling.update(a[0] for a in acks)
         return [(a[0], a[1]) for a in acks]
+
+    def lost(self, pairs: list[Pair], alive: set[int]) -> list[Pair]:
+        """Of held pairs a renewal did not find, those really lost: still held, and not acked
+        (buffered, or being flushed right now, when the row may be gone already)."""
+        with self._acks_lock:
+            acking = self._settling | {a[0] for a in self._acks}
+        with self._held_lock:
+            return [(i, c) for i, c in pairs
+                    if i not in alive and i not in acking and self.held.get(i) == c]
 
     def forget(self, pairs: list[Pair]) -> None:
         """Stop renewing these leases (settled, or lost)."""
@@ -196,6 +208,8 @@ class Backend:
     def settled(self, sent: list[Pair], hit: set[int], action: str) -> None:
         """Forget settled leases; log fenced misses (never raise at Celery)."""
         self.forget(sent)
+        with self._acks_lock:
+            self._settling.difference_update(i for i, _ in sent)
         for job_id, claim in sent:
             if job_id not in hit:
                 log_event("pgjobs.settle.unowned", job_id=job_id, fence=claim, settle=action)
@@ -217,6 +231,7 @@ class Backend:
         now = time.monotonic()
         with self._acks_lock:
             self._acks[:0] = [(i, c, now) for i, c in acks]
+            self._settling.difference_update(i for i, _ in acks)
 
     # -- leases --------------------------------------------------------------------------
     def hold(self, pairs: list[Pair]) -> None:
@@ -329,7 +344,7 @@ class Keeper(threading.Thread):
         held = b.held_pairs()
         if held:
             alive = core.renew(conn, held)
-            lost = [(i, c) for i, c in held if i not in alive]
+            lost = b.lost(held, alive)
             if lost:
                 b.forget(lost)
                 for i, c in lost:

@@ -8,7 +8,10 @@
 --   * a slot is a row of pgjobs_slot, (limit_key, slot) with slot < limit; the primary key makes
 --     two holders of one slot impossible, whatever the isolation level or the number of racing
 --     claims. A slot is held while its job is running under the claim that took it with a live
---     lease; a slot whose holder is gone (acked, requeued, lease lapsed) is free;
+--     lease; a slot whose holder is gone (acked, requeued, lease lapsed) is free. Rows are not
+--     deleted on release but emptied (job_id NULL) and taken again by an update: no indexed
+--     column changes, so takes and releases are HOT updates and the table does not bloat under
+--     churn (free rows unused for an hour are pruned by the keeper);
 --   * a message that finds a key full is parked (state 'waiting', waiting_on = the key): it
 --     leaves the claim's index, burns no attempt, and no longer stands in front of other keys'
 --     messages. When the full key is its first one, the claim parks every due ready row of the
@@ -47,13 +50,18 @@ CREATE TABLE {schema}.pgjobs_slot (
     limit_key  text NOT NULL,                          -- the concurrency key
     slot       integer NOT NULL,                       -- 0 .. limit-1
     cap        integer NOT NULL,                       -- the limit the holder was admitted under
-    job_id     bigint NOT NULL,                        -- the holder
-    claim      integer NOT NULL,                       -- the holder's claim number (fence)
-    taken_at   timestamptz NOT NULL DEFAULT now(),
+    job_id     bigint,                                 -- the holder (NULL: free)
+    claim      integer,                                -- the holder's claim number (fence)
+    taken_at   timestamptz NOT NULL DEFAULT now(),     -- last taken
     PRIMARY KEY (limit_key, slot)
+) WITH (
+    fillfactor = 50,                                   -- room for HOT updates on the same page
+    autovacuum_vacuum_scale_factor = 0.0,
+    autovacuum_vacuum_threshold = 1000,
+    autovacuum_vacuum_cost_delay = 0
 );
-CREATE INDEX pgjobs_slot_job_idx ON {schema}.pgjobs_slot (job_id);
-COMMENT ON TABLE {schema}.pgjobs_slot IS 'Concurrency slots: one row per place held under a key.';
+COMMENT ON TABLE {schema}.pgjobs_slot IS
+    'Concurrency slots: one row per place under a key; held while job_id runs under claim.';
 
 -- Starts per key and fixed window, for rate limits.
 CREATE TABLE {schema}.pgjobs_rate (
@@ -162,15 +170,15 @@ BEGIN
 END
 $$;
 
--- Release the slots taken by these (job id, claim) pairs (settled, requeued, lapsed: a later
--- claim of the same job keeps its own slots) and wake, per key, as many parked rows as slots
--- were freed. With p_wait it waits for each key's lock, in key order (two releases never
--- deadlock); without, it only tries them, and leaves the pairs of a busy key alone (a claim
--- that settles acks must never wait for a key's lock while it may hold others). Either way each
--- statement below runs after the locks are held, so it sees whatever a claim that held them
--- committed, including rows it parked: no lost wake-up. Returns the pairs released (or that
--- held no slot): the caller may settle those rows.
-CREATE FUNCTION {schema}.pgjobs_release_v1(p_ids bigint[], p_claims integer[],
+-- Release the slots taken by these (job id, claim) pairs under these keys (one array element
+-- per pair and key: settled, requeued or lapsed jobs; a later claim of the same job keeps its own
+-- slots) and wake, per key, as many parked rows as slots were freed. With p_wait it waits for
+-- each key's lock, in key order (two releases never deadlock); without, it only tries them and
+-- leaves alone the pairs with a busy key (a claim that settles acks must never wait for a key's
+-- lock while it may hold others). Either way the statements below run after the locks are held,
+-- so they see whatever a claim that held them committed, including rows it parked: no lost
+-- wake-up. Returns the pairs released (the caller may settle those rows).
+CREATE FUNCTION {schema}.pgjobs_release_v1(p_ids bigint[], p_claims integer[], p_keys text[],
                                            p_channel text, p_wait boolean)
 RETURNS TABLE (id bigint, claim integer)
 LANGUAGE plpgsql AS $$
@@ -182,11 +190,8 @@ BEGIN
     IF p_ids IS NULL OR cardinality(p_ids) = 0 THEN
         RETURN;
     END IF;
-    FOR k IN SELECT DISTINCT sl.limit_key
-               FROM {schema}.pgjobs_slot AS sl
-               JOIN unnest(p_ids, p_claims) AS r(id, claim)
-                 ON sl.job_id = r.id AND sl.claim = r.claim
-              ORDER BY sl.limit_key LOOP
+    FOR k IN SELECT DISTINCT key FROM unnest(p_keys) AS key WHERE key IS NOT NULL
+              ORDER BY key LOOP
         IF p_wait THEN
             PERFORM pg_advisory_xact_lock(lock_class, hashtext(k));
         ELSIF NOT pg_try_advisory_xact_lock(lock_class, hashtext(k)) THEN
@@ -194,19 +199,20 @@ BEGIN
         END IF;
     END LOOP;
     RETURN QUERY
-    WITH pairs AS (
-        SELECT r.id, r.claim,
-               EXISTS (SELECT 1 FROM {schema}.pgjobs_slot AS sl
-                        WHERE sl.job_id = r.id AND sl.claim = r.claim
-                          AND sl.limit_key = ANY(busy)) AS blocked
-          FROM unnest(p_ids, p_claims) AS r(id, claim)
+    WITH given AS (
+        SELECT r.id, r.claim, r.key FROM unnest(p_ids, p_claims, p_keys) AS r(id, claim, key)
+    ), pairs AS (
+        SELECT g.id, g.claim, bool_or(g.key = ANY(busy)) AS blocked
+          FROM given AS g GROUP BY g.id, g.claim
     ), gone AS (
-        DELETE FROM {schema}.pgjobs_slot AS sl
-         USING pairs
-         WHERE NOT pairs.blocked AND sl.job_id = pairs.id AND sl.claim = pairs.claim
+        UPDATE {schema}.pgjobs_slot AS sl
+           SET job_id = NULL, claim = NULL
+          FROM given AS g
+          JOIN pairs AS p ON p.id = g.id AND p.claim = g.claim AND NOT p.blocked
+         WHERE sl.limit_key = g.key AND sl.job_id = g.id AND sl.claim = g.claim
         RETURNING sl.limit_key
     ), freed AS (
-        SELECT limit_key, count(*) AS n FROM gone GROUP BY limit_key
+        SELECT gone.limit_key, count(*) AS n FROM gone GROUP BY gone.limit_key
     ), picked AS (
         SELECT w.id
           FROM freed
@@ -224,7 +230,7 @@ BEGIN
         RETURNING j.queue
     ), notified AS (
         SELECT count(*) AS n
-          FROM (SELECT pg_notify(p_channel, queue) FROM back GROUP BY queue) AS q
+          FROM (SELECT pg_notify(p_channel, back.queue) FROM back GROUP BY back.queue) AS q
     )
     SELECT pairs.id, pairs.claim FROM pairs, notified WHERE NOT pairs.blocked;
 END

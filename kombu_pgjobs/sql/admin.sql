@@ -411,6 +411,7 @@ WITH held AS (
       FROM {schema}.pgjobs_slot AS sl
       LEFT JOIN {schema}.pgjobs_job AS h ON h.id = sl.job_id AND h.claim = sl.claim
      GROUP BY sl.limit_key
+    HAVING count(*) FILTER (WHERE h.state = 'running' AND h.lease_expires_at > now()) > 0
 ), waiting AS (
     SELECT waiting_on AS limit_key, count(*) AS waiting,
            extract(epoch FROM now() - min(created_at))::float8 AS oldest_waiting_age

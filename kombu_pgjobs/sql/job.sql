@@ -56,9 +56,15 @@ SELECT b.queue, %(priority)s, coalesce(%(run_at)s, now()),
 -- settles them with %(n)s = 0, which waits).
 WITH released AS (
     SELECT r.id, r.claim
-      FROM {schema}.pgjobs_release_v1(%(rel_ids)s::bigint[], %(rel_claims)s::int[],
-                                      %(channel)s, %(n)s = 0) AS r
-     WHERE cardinality(%(rel_ids)s::bigint[]) > 0
+      FROM (SELECT array_agg(a.id) AS ids, array_agg(a.claim) AS claims,
+                   array_agg(e.value ->> 'key') AS keys
+              FROM unnest(%(rel_ids)s::bigint[], %(rel_claims)s::int[]) AS a(id, claim)
+              JOIN {schema}.pgjobs_job AS j ON j.id = a.id AND j.claim = a.claim
+              LEFT JOIN LATERAL jsonb_array_elements(j.limits -> 'concurrency') AS e ON true
+             WHERE cardinality(%(rel_ids)s::bigint[]) > 0
+            HAVING count(*) > 0) AS x
+     CROSS JOIN LATERAL {schema}.pgjobs_release_v1(x.ids, x.claims, x.keys, %(channel)s,
+                                                   %(n)s = 0) AS r
 ), acked AS (
     -- Fenced ack: only the holder of this exact claim, still running, may delete the row.
     DELETE FROM {schema}.pgjobs_job AS j
@@ -193,7 +199,7 @@ SELECT 'n', NULL, NULL, NULL, NULL,
 -- task that requeues itself forever, or a cancelled one, cannot come back. NOTIFY wakes
 -- consumers. Returns (id, outcome).
 WITH held AS (
-    SELECT j.id, j.claim, j.limit_key IS NOT NULL AS limited,
+    SELECT j.id, j.claim, j.limits, j.limit_key IS NOT NULL AS limited,
            CASE WHEN j.cancelled_at IS NOT NULL THEN 'cancelled'
                 WHEN NOT %(uncount)s
                      AND j.attempts >= coalesce(j.max_attempts, %(max_attempts)s) THEN 'dead'
@@ -230,9 +236,13 @@ WITH held AS (
 ), released AS (
     -- Slots of limited messages are freed (and their parked rows woken) in the same statement.
     SELECT r.id
-      FROM (SELECT array_agg(id) AS ids, array_agg(claim) AS claims
-              FROM held WHERE limited HAVING count(*) > 0) AS h
-     CROSS JOIN LATERAL {schema}.pgjobs_release_v1(h.ids, h.claims, %(channel)s, true) AS r
+      FROM (SELECT array_agg(held.id) AS ids, array_agg(held.claim) AS claims,
+                   array_agg(e.value ->> 'key') AS keys
+              FROM held
+             CROSS JOIN LATERAL jsonb_array_elements(held.limits -> 'concurrency') AS e
+             WHERE held.limited HAVING count(*) > 0) AS h
+     CROSS JOIN LATERAL {schema}.pgjobs_release_v1(h.ids, h.claims, h.keys, %(channel)s,
+                                                   true) AS r
 ), settled AS (
     SELECT id, queue, 'requeued' AS outcome FROM back
     UNION ALL
@@ -257,9 +267,13 @@ WITH dead AS (
     RETURNING j.*
 ), released AS (
     SELECT r.id
-      FROM (SELECT array_agg(id) AS ids, array_agg(claim) AS claims
-              FROM dead WHERE limit_key IS NOT NULL HAVING count(*) > 0) AS d
-     CROSS JOIN LATERAL {schema}.pgjobs_release_v1(d.ids, d.claims, %(channel)s, true) AS r
+      FROM (SELECT array_agg(dead.id) AS ids, array_agg(dead.claim) AS claims,
+                   array_agg(e.value ->> 'key') AS keys
+              FROM dead
+             CROSS JOIN LATERAL jsonb_array_elements(dead.limits -> 'concurrency') AS e
+             WHERE dead.limit_key IS NOT NULL HAVING count(*) > 0) AS d
+     CROSS JOIN LATERAL {schema}.pgjobs_release_v1(d.ids, d.claims, d.keys, %(channel)s,
+                                                   true) AS r
 ), counted AS (
     INSERT INTO {schema}.pgjobs_counter AS c (queue, outcome, bucket, shard, n)
     SELECT queue, 'dead', date_trunc('minute', now()), %(worker)s, count(*)
@@ -349,6 +363,15 @@ WITH lapsed AS (
              LIMIT %(limit)s)
        AND j.state = 'waiting'
     RETURNING j.id, j.queue
+), old_slots AS (
+    -- Free slot rows untaken for an hour (a key nobody uses any more), under the key's lock.
+    DELETE FROM {schema}.pgjobs_slot AS sl
+     WHERE (sl.limit_key, sl.slot) IN (
+            SELECT f.limit_key, f.slot FROM {schema}.pgjobs_slot AS f
+             WHERE f.job_id IS NULL AND f.taken_at < now() - interval '1 hour'
+             LIMIT %(limit)s)
+       AND sl.job_id IS NULL
+       AND pg_try_advisory_xact_lock(hashtext(%(channel)s || '.limit'), hashtext(sl.limit_key))
 ), old_rates AS (
     DELETE FROM {schema}.pgjobs_rate
      WHERE (limit_key, window_start) IN (
@@ -405,7 +428,7 @@ SELECT 'release', NULL, NULL, false
     OR EXISTS (SELECT 1
                  FROM {schema}.pgjobs_slot AS sl
                  LEFT JOIN {schema}.pgjobs_job AS h ON h.id = sl.job_id AND h.claim = sl.claim
-                WHERE h.id IS NULL OR h.state <> 'running')
+                WHERE sl.job_id IS NOT NULL AND (h.id IS NULL OR h.state <> 'running'))
 UNION ALL
 SELECT 'buried', id, queue, false FROM dead
 UNION ALL
@@ -418,14 +441,15 @@ SELECT 'queue_expired', NULL, name, false FROM gone;
 -- the release) and wake the rows parked on their keys. Its own transaction: it waits for key
 -- locks and holds no other lock meanwhile. Returns the number of pairs released.
 SELECT count(*)
-  FROM (SELECT array_agg(id) AS ids, array_agg(claim) AS claims
-          FROM (SELECT sl.job_id AS id, sl.claim
+  FROM (SELECT array_agg(id) AS ids, array_agg(claim) AS claims, array_agg(key) AS keys
+          FROM (SELECT sl.job_id AS id, sl.claim, sl.limit_key AS key
                   FROM {schema}.pgjobs_slot AS sl
                   LEFT JOIN {schema}.pgjobs_job AS h ON h.id = sl.job_id AND h.claim = sl.claim
-                 WHERE h.id IS NULL OR h.state <> 'running'
+                 WHERE sl.job_id IS NOT NULL AND (h.id IS NULL OR h.state <> 'running')
                  LIMIT %(limit)s) AS orphaned
         HAVING count(*) > 0) AS o
- CROSS JOIN LATERAL {schema}.pgjobs_release_v1(o.ids, o.claims, %(channel)s, true) AS r;
+ CROSS JOIN LATERAL {schema}.pgjobs_release_v1(o.ids, o.claims, o.keys, %(channel)s,
+                                               true) AS r;
 
 -- name: job_purge :one
 -- Purge a queue's ready messages (running ones finish and are acked as usual).
