@@ -354,6 +354,9 @@ class Keeper(threading.Thread):
         for outcome, job_id, queue in outcomes:
             if outcome == "release":  # slots whose holder is gone: free them, wake waiters
                 core.release_orphans(conn)
+            elif outcome == "vacuum":  # the server's autovacuum is off
+                log_event("pgjobs.keeper.vacuum", logging.INFO, schema=b.options.schema)
+                core.vacuum(conn)
             elif outcome == "woken":
                 log_event("pgjobs.limit.woken", logging.INFO, job_id=job_id, queue=queue)
             elif outcome == "buried":

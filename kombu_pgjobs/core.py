@@ -18,6 +18,7 @@ from datetime import datetime, timezone
 from typing import Any, NewType
 
 import psycopg
+from psycopg import sql
 from psycopg.types.json import Jsonb
 
 from .errors import MessageError
@@ -247,6 +248,13 @@ class QueueCore:
         locks. Returns the ids that were still held."""
         return self.claim(conn, (), 0, pairs, limited).acked
 
+    def vacuum(self, conn: psycopg.Connection) -> None:
+        """VACUUM the job and slot tables (the keeper, when the server runs without autovacuum
+        and :meth:`maintain` says dead rows piled up). Skips a table another vacuum holds."""
+        for table in ("pgjobs_job", "pgjobs_slot"):
+            conn.execute(sql.SQL("VACUUM (SKIP_LOCKED) {}.{}").format(
+                sql.Identifier(self.schema), sql.Identifier(table)), prepare=False)
+
     def release_orphans(self, conn: psycopg.Connection, *, limit: int = 1000) -> int:
         """Free slots whose holder is gone and wake rows parked on them (the keeper, when
         :meth:`maintain` says so). Returns the number of rows woken."""
@@ -286,12 +294,14 @@ class QueueCore:
             "ids": ids, "claims": claims, "ttl": self.lease_ttl}).fetchall()}
 
     def maintain(self, conn: psycopg.Connection, *, consumed: Sequence[str], grace: float,
-                 held: int = 0, limit: int = 1000) -> list[tuple[str, int | None, str]]:
+                 held: int = 0, limit: int = 1000,
+                 vacuum_after: int = 5000) -> list[tuple[str, int | None, str]]:
         """The keeper's tick: rescue or bury lapsed leases, drop expired messages and queues,
         mark consumed queues in use. Returns [(outcome, id, queue)]."""
         rows = conn.execute(self.q["job_maintain"], {
             "limit": limit, "max_attempts": self.max_attempts, "channel": self.channel,
             "consumed": list(consumed), "grace": grace, "worker": self.worker, "held": held,
+            "vacuum_after": vacuum_after,
         }).fetchall()
         return [(r[0], r[1], r[2]) for r in rows]
 

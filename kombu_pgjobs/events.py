@@ -29,6 +29,9 @@ EVENTS: dict[str, tuple[str, str]] = {
     "pgjobs.limit.refused": (
         "PGJ-304", "a message found its concurrency key full and its task says "
         "when_busy='fail': it was dead-lettered (reason refused) and its body never ran"),
+    "pgjobs.keeper.vacuum": (
+        "PGJ-206", "the server runs with autovacuum off and the job table's dead rows piled up: "
+        "the keeper vacuumed it (turn autovacuum on; see docs/operations.md)"),
     "pgjobs.limit.woken": (
         "PGJ-305", "a message parked on a concurrency key with no running holder was woken "
         "by the keeper's safety net"),

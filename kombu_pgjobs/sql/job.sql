@@ -308,7 +308,9 @@ RETURNING j.id;
 --  * queues unused past their x-expires (at least %(grace)s seconds, so a live consumer's touch
 --    always lands first) are dropped with their bindings and ready messages;
 --  * limits: a key with parked rows and no running holder gets one row woken (a safety net:
---    releases wake parked rows themselves); rate windows older than 2 days go. Slots are not
+--    releases wake parked rows themselves); rate windows older than 2 days go;
+--    free slot rows untaken for an hour go; without autovacuum, a 'vacuum' row asks the keeper
+--    to vacuum the job table. Slots are not
 --    released here: a release waits for key locks, which must not happen while this statement
 --    holds lapsed rows' locks. A 'release' row says job_release_orphans has work.
 -- Each step is bounded by %(limit)s rows. Returns (outcome, id, queue) rows for logging.
@@ -434,7 +436,14 @@ SELECT 'buried', id, queue, false FROM dead
 UNION ALL
 SELECT 'expired', id, queue, false FROM expired
 UNION ALL
-SELECT 'queue_expired', NULL, name, false FROM gone;
+SELECT 'queue_expired', NULL, name, false FROM gone
+UNION ALL
+-- A server running without autovacuum would let a queue table's dead rows pile up without end
+-- (every message is inserted, updated and deleted): then the keeper vacuums it itself.
+SELECT 'vacuum', NULL, NULL, false
+ WHERE current_setting('autovacuum') = 'off'
+   AND (SELECT n_dead_tup FROM pg_stat_user_tables
+         WHERE relid = '{schema}.pgjobs_job'::regclass) > %(vacuum_after)s;
 
 -- name: job_release_orphans :one
 -- Release slots whose holder no longer holds them (a rescued or deleted job, an ack that skipped

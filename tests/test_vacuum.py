@@ -1,0 +1,38 @@
+"""A server running without autovacuum: the keeper's tick asks for a VACUUM of the job table."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import psycopg
+
+from kombu_pgjobs.core import QueueCore, job_from_message
+from kombu_pgjobs.schema import migrate
+
+from .conftest import wait_for
+
+
+def _dead(db: psycopg.Connection[Any], schema: str) -> int:
+    db.execute("SELECT pg_stat_clear_snapshot()")
+    return db.execute("SELECT n_dead_tup FROM pg_stat_user_tables WHERE relid = %s::regclass",
+                      (f'"{schema}".pgjobs_job',)).fetchone()[0]
+
+
+def test_keeper_vacuums_when_autovacuum_is_off(db, schema):
+    migrate(db, schema)
+    core = QueueCore(schema, lease_ttl=30, max_attempts=5)
+    core.publish_many(db, [job_from_message("q", {"body": str(i), "headers": {},
+                                                  "properties": {}}) for i in range(300)])
+    claimed = core.claim(db, ["q"], 300).claimed
+    core.ack(db, [(c.id, c.claim) for c in claimed])
+    db.execute("SELECT pg_stat_force_next_flush()")
+    wait_for(lambda: _dead(db, schema) >= 300, 10, what="dead rows counted")
+    autovacuum_off = db.execute("SELECT current_setting('autovacuum') = 'off'").fetchone()[0]
+    outcomes = core.maintain(db, consumed=["q"], grace=30, vacuum_after=100)
+    asked = ("vacuum", None, None) in outcomes
+    assert asked == autovacuum_off, "a vacuum is asked for exactly when autovacuum is off"
+    core.vacuum(db)
+    db.execute("SELECT pg_stat_force_next_flush()")
+    wait_for(lambda: _dead(db, schema) < 300, 10, what="dead rows vacuumed")
+    assert ("vacuum", None, None) not in core.maintain(db, consumed=["q"], grace=30,
+                                                        vacuum_after=100)
