@@ -26,7 +26,7 @@ from .events import log_event
 from .limits import LIMITS_HEADER
 from .limits import normalise as normalise_limits
 from .options import validate_queue_name, validate_schema_name
-from .sql import queries
+from .sql import queries, with_limit
 
 __all__ = [
     "MAX_ATTEMPTS_HEADER",
@@ -215,7 +215,7 @@ class QueueCore:
         ``unsettled`` (settle them with :meth:`ack`, which waits)."""
         ack_ids, ack_claims = _pairs(acks)
         rel_ids, rel_claims = _pairs(limited)
-        rows = conn.execute(self.q["job_claim"], {
+        rows = conn.execute(with_limit(self.schema, "job_claim", n), {
             "ack_ids": ack_ids, "ack_claims": ack_claims, "rel_ids": rel_ids,
             "rel_claims": rel_claims, "queues": list(queues), "n": n,
             "ttl": self.lease_ttl, "worker": self.worker, "channel": self.channel,

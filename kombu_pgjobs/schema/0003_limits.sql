@@ -72,21 +72,26 @@ CREATE TABLE {schema}.pgjobs_rate (
 );
 COMMENT ON TABLE {schema}.pgjobs_rate IS 'Admitted starts per rate key and window.';
 
--- Admit one limited row into a claim, or say why not. Called by the claim statement for each
--- candidate with limits, in claim order. Returns:
---   ok     every cap had a free slot (now taken for p_id/p_claim) and every rate had room;
---   full   on_key had no free slot (fail: its when_busy is 'fail');
---   later  the rate on_key is spent until `until`;
---   busy   another transaction is changing on_key right now: leave the row ready for now.
--- All caps are checked before any slot is taken, so a refusal never leaves a slot behind.
+-- Admit one limited row into a claim, or hold it back, in the claim's transaction. Called by
+-- the claim statement for each candidate with limits, in claim order (the row is locked by the
+-- claim). All caps are checked before any slot is taken, so a refusal never leaves a slot
+-- behind. Returns the verdict and the key that decided it:
+--   ok       every cap had a free slot (now taken for p_id/p_claim) and every rate had room:
+--            the claim takes the row;
+--   parked   a key was full: the row is now 'waiting' on it, uncounted. When the key is the
+--            row's first key, the due ready rows of the queue with that first key are parked
+--            too (up to 1,000; rows that took a slot in this claim excepted);
+--   refused  a key was full and its when_busy is 'fail': the row moved to the dead letters
+--            (reason refused, code PGJ-302) and was counted;
+--   later    a rate is spent: the row's run_at moved to the rate's next window, uncounted;
+--   busy     another transaction is changing a key right now: the row stays ready.
+-- Only limited rows pay for any of this: a claim without them never calls the function.
 CREATE TYPE {schema}.pgjobs_verdict AS (
-    verdict text,                                      -- ok | full | later | busy
-    on_key  text,                                      -- the key that said no
-    fail    boolean,                                   -- full, and its when_busy is 'fail'
-    until   timestamptz                                -- later: when the rate has room again
+    verdict text,                                      -- ok | parked | refused | later | busy
+    on_key  text                                       -- the key that decided it
 );
-CREATE FUNCTION {schema}.pgjobs_admit_v1(p_id bigint, p_claim integer, p_limits jsonb,
-                                         p_channel text)
+CREATE FUNCTION {schema}.pgjobs_admit_v1(p_id bigint, p_claim integer, p_queue text,
+                                         p_limits jsonb, p_channel text, p_worker text)
 RETURNS {schema}.pgjobs_verdict
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -113,7 +118,7 @@ BEGIN
         on_key := e ->> 'key';
         cap := (e ->> 'limit')::integer;
         IF NOT pg_try_advisory_xact_lock(lock_class, hashtext(on_key)) THEN
-            RETURN ROW('busy', on_key, false, NULL)::{schema}.pgjobs_verdict;
+            RETURN ROW('busy', on_key)::{schema}.pgjobs_verdict;
         END IF;
         -- Slots of this key still held: by a running holder under the claim that took them
         -- with a live lease, or taken earlier in this very claim (its row is not running yet).
@@ -124,8 +129,44 @@ BEGIN
            AND ((h.claim = sl.claim AND h.state = 'running' AND h.lease_expires_at > now())
                 OR h.claim = sl.claim - 1);
         IF coalesce(cardinality(taken), 0) >= cap THEN
-            RETURN ROW('full', on_key, coalesce(e ->> 'when_busy', 'wait') = 'fail', NULL)
-                   ::{schema}.pgjobs_verdict;
+            IF e ->> 'when_busy' = 'fail' THEN
+                WITH refused AS (
+                    DELETE FROM {schema}.pgjobs_job WHERE id = p_id RETURNING *
+                ), dead AS (
+                    INSERT INTO {schema}.pgjobs_dead_letter
+                           (id, queue, priority, task, claim, attempts, max_attempts, reason,
+                            error, created_at, message)
+                    SELECT id, queue, priority, task, claim, attempts, max_attempts, 'refused',
+                           jsonb_build_object('code', 'PGJ-302', 'type', 'KeyBusy',
+                                              'key', on_key,
+                                              'message', 'concurrency key ' || on_key
+                                              || ' was full and the task says when_busy=fail'),
+                           created_at, message
+                      FROM refused
+                )
+                INSERT INTO {schema}.pgjobs_counter AS c (queue, outcome, bucket, shard, n)
+                SELECT queue, 'refused', date_trunc('minute', now()), p_worker, 1 FROM refused
+                ON CONFLICT (queue, outcome, bucket, shard) DO UPDATE SET n = c.n + 1;
+                RETURN ROW('refused', on_key)::{schema}.pgjobs_verdict;
+            END IF;
+            UPDATE {schema}.pgjobs_job SET state = 'waiting', waiting_on = on_key
+             WHERE id = p_id;
+            IF i = 0 THEN  -- the rest of this key's flood in the queue
+                UPDATE {schema}.pgjobs_job AS j
+                   SET state = 'waiting', waiting_on = on_key
+                 WHERE j.id IN (
+                        SELECT x.id FROM {schema}.pgjobs_job AS x
+                         WHERE x.limit_key = on_key AND x.queue = p_queue
+                           AND x.state = 'ready' AND x.run_at <= now()
+                           AND (x.limits -> 'concurrency' -> 0 ->> 'when_busy')
+                               IS DISTINCT FROM 'fail'
+                           AND NOT EXISTS (SELECT 1 FROM {schema}.pgjobs_slot AS sl
+                                            WHERE sl.limit_key = on_key AND sl.job_id = x.id
+                                              AND sl.claim = x.claim + 1)
+                         LIMIT 1000
+                           FOR UPDATE SKIP LOCKED);
+            END IF;
+            RETURN ROW('parked', on_key)::{schema}.pgjobs_verdict;
         END IF;
         s := 0;  -- the lowest free slot number
         WHILE s = ANY(taken) LOOP
@@ -140,14 +181,15 @@ BEGIN
         on_key := e ->> 'key';
         per := (e ->> 'per')::float8;
         IF NOT pg_try_advisory_xact_lock(hashtext(p_channel || '.rate'), hashtext(on_key)) THEN
-            RETURN ROW('busy', on_key, false, NULL)::{schema}.pgjobs_verdict;
+            RETURN ROW('busy', on_key)::{schema}.pgjobs_verdict;
         END IF;
         ws := to_timestamp(floor(extract(epoch FROM now()) / per) * per);
         SELECT r.starts INTO used FROM {schema}.pgjobs_rate AS r
          WHERE r.limit_key = on_key AND r.window_start = ws;
         IF coalesce(used, 0) >= (e ->> 'limit')::integer THEN
-            RETURN ROW('later', on_key, false, ws + make_interval(secs => per))
-                   ::{schema}.pgjobs_verdict;
+            UPDATE {schema}.pgjobs_job SET run_at = ws + make_interval(secs => per)
+             WHERE id = p_id;
+            RETURN ROW('later', on_key)::{schema}.pgjobs_verdict;
         END IF;
         windows := windows || ws;
     END LOOP;
@@ -166,7 +208,7 @@ BEGIN
          CROSS JOIN LATERAL (SELECT rates -> (t.i::integer - 1) AS e2) AS x
         ON CONFLICT (limit_key, window_start) DO UPDATE SET starts = r.starts + 1;
     END IF;
-    RETURN ROW('ok', NULL, false, NULL)::{schema}.pgjobs_verdict;
+    RETURN ROW('ok', NULL)::{schema}.pgjobs_verdict;
 END
 $$;
 

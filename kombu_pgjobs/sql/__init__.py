@@ -13,7 +13,7 @@ from importlib import resources
 
 from psycopg import sql
 
-__all__ = ["queries", "raw_queries"]
+__all__ = ["queries", "raw_queries", "with_limit"]
 
 _HEADER = re.compile(r"^-- name: (\w+)(?: :\w+)?\s*$", re.MULTILINE)
 
@@ -38,7 +38,18 @@ def raw_queries() -> dict[str, str]:
 
 @cache
 def queries(schema: str) -> dict[str, sql.Composed]:
-    """Every query composed for ``schema`` (validated by the caller)."""
+    """Every query composed for ``schema`` (validated by the caller). A ``{limit}`` in a
+    statement is left as the ``%(n)s`` parameter here; see :func:`with_limit`."""
     ident = sql.Identifier(schema)
-    return {name: sql.SQL(text).format(schema=ident)  # type: ignore[arg-type]
+    return {name: sql.SQL(text).format(schema=ident,  # type: ignore[arg-type]
+                                       limit=sql.SQL("%(n)s"))
             for name, text in raw_queries().items()}
+
+
+@cache
+def with_limit(schema: str, name: str, limit: int) -> sql.Composed:
+    """Statement ``name`` with its ``{limit}`` written as the literal ``limit``: a prepared
+    statement per value, whose generic plan knows its LIMIT (a parameter LIMIT makes the
+    planner assume a tenth of the table and sort it)."""
+    return sql.SQL(raw_queries()[name]).format(  # type: ignore[arg-type]
+        schema=sql.Identifier(schema), limit=sql.Literal(int(limit)))

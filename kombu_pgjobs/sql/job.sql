@@ -39,17 +39,18 @@ SELECT b.queue, %(priority)s, coalesce(%(run_at)s, now()),
   LEFT JOIN {schema}.pgjobs_queue AS q ON q.name = b.queue;
 
 -- name: job_claim :many
--- Settle buffered acks and claim up to %(n)s due messages, in one round trip.
+-- Settle buffered acks and claim up to %(n)s due messages, in one round trip. {limit} is %(n)s
+-- written into the text (one prepared statement per window size): a generic plan that knows
+-- its LIMIT reads the claim index in order at any depth, and saves planning on every claim.
 -- Returns kind 'c' rows (claimed: id, claim, queue, message, limited), kind 'a' rows (acks that
 -- hit their fence), kind 'h' rows (held back by a limit: id, on_key and, as message, the
 -- verdict: parked, refused, later or busy),
 -- and, when fewer than
 -- %(n)s were claimed and none was held back, one kind 'n' row whose due_in is the number of
 -- seconds until a delayed message of these queues is due (NULL if none).
--- Limits: a candidate with limits is admitted by pgjobs_admit_v1 (it takes the slots); one that
--- finds a key full is parked ('waiting'), or refused into the dead letters when its when_busy
--- is 'fail'; one whose rate is spent waits for the next window (run_at). None of these counts
--- an attempt. Acks of messages holding slots come separately (%(rel_ids)s, %(rel_claims)s):
+-- Limits: a candidate with limits is admitted by pgjobs_admit_v1, which takes its slots, or
+-- parks it ('waiting'), refuses it into the dead letters (when_busy 'fail') or defers it to its
+-- rate's next window itself; none of these counts an attempt. Acks of messages holding slots come separately (%(rel_ids)s, %(rel_claims)s):
 -- their slots are released first (before any candidate is admitted, so a candidate sees them
 -- free) when their keys' locks can be had at once; a claim never waits for a key's lock, so
 -- the acks of a busy key are left held and come back in the 'a' rows' absence (the caller
@@ -92,25 +93,22 @@ WITH released AS (
                AND j.run_at <= now()
                AND (j.expires_at IS NULL OR j.expires_at > now())
              ORDER BY j.priority DESC, j.run_at, j.id
-             LIMIT %(n)s
+             LIMIT {limit}
                FOR UPDATE SKIP LOCKED
            ) AS c
      WHERE q.paused IS NOT TRUE
        AND (SELECT count(*) FROM released) >= 0  -- slots are released before any admission
      ORDER BY c.priority DESC, c.run_at, c.id
-     LIMIT %(n)s
+     LIMIT {limit}
 ), admitted AS MATERIALIZED (
-    -- In claim order; rows without limits skip the function.
-    SELECT c.id, c.queue, c.limits IS NOT NULL AS limited,
-           CASE WHEN c.limits IS NOT NULL
-                THEN {schema}.pgjobs_admit_v1(c.id, c.claim + 1, c.limits, %(channel)s)
-           END AS v
+    -- In claim order; rows without limits never call the function. A held-back row was
+    -- parked, deferred or refused by the function itself (see 0003_limits.sql).
+    SELECT c.id, CASE WHEN c.limits IS NOT NULL
+                      THEN {schema}.pgjobs_admit_v1(c.id, c.claim + 1, c.queue, c.limits,
+                                                    %(channel)s, %(worker)s)
+                 END AS v
       FROM candidates AS c
      ORDER BY c.priority DESC, c.run_at, c.id
-), verdicts AS (
-    SELECT id, queue, limited, coalesce((v).verdict, 'ok') AS verdict, (v).on_key AS on_key,
-           coalesce((v).fail, false) AS fail, (v).until AS until
-      FROM admitted
 ), claimed AS (
     -- Take the lease: bump the fence, count the attempt, name the holder.
     UPDATE {schema}.pgjobs_job AS j
@@ -119,59 +117,10 @@ WITH released AS (
            attempts = j.attempts + 1,
            lease_expires_at = now() + make_interval(secs => %(ttl)s),
            worker = %(worker)s
-      FROM verdicts AS v
-     WHERE j.id = v.id AND v.verdict = 'ok'
+      FROM admitted AS a
+     WHERE j.id = a.id AND (a.v IS NULL OR (a.v).verdict = 'ok')
     RETURNING j.id, j.claim, j.queue, j.priority, j.run_at, j.message,
               j.limit_key IS NOT NULL AS limited
-), parked AS (
-    UPDATE {schema}.pgjobs_job AS j
-       SET state = 'waiting', waiting_on = v.on_key
-      FROM verdicts AS v
-     WHERE j.id = v.id AND v.verdict = 'full' AND NOT v.fail
-    RETURNING j.id, j.queue
-), flood AS (
-    -- The rest of a full key's flood: due ready rows of the queue whose first key it is.
-    UPDATE {schema}.pgjobs_job AS j
-       SET state = 'waiting', waiting_on = j.limit_key
-     WHERE j.id IN (
-            SELECT x.id
-              FROM (SELECT DISTINCT queue, on_key FROM verdicts
-                     WHERE verdict = 'full' AND NOT fail) AS f
-             CROSS JOIN LATERAL (
-                    SELECT x.id FROM {schema}.pgjobs_job AS x
-                     WHERE x.limit_key = f.on_key AND x.queue = f.queue
-                       AND x.state = 'ready' AND x.run_at <= now()
-                       AND x.id NOT IN (SELECT id FROM candidates)
-                       AND (x.limits -> 'concurrency' -> 0 ->> 'when_busy')
-                           IS DISTINCT FROM 'fail'
-                     LIMIT 1000
-                       FOR UPDATE SKIP LOCKED) AS x)
-), deferred AS (
-    UPDATE {schema}.pgjobs_job AS j
-       SET run_at = v.until
-      FROM verdicts AS v
-     WHERE j.id = v.id AND v.verdict = 'later'
-    RETURNING j.id, j.queue
-), refused AS (
-    DELETE FROM {schema}.pgjobs_job AS j
-     USING verdicts AS v
-     WHERE j.id = v.id AND v.verdict = 'full' AND v.fail
-    RETURNING j.*, v.on_key
-), refused_dead AS (
-    INSERT INTO {schema}.pgjobs_dead_letter
-           (id, queue, priority, task, claim, attempts, max_attempts, reason, error,
-            created_at, message)
-    SELECT id, queue, priority, task, claim, attempts, max_attempts, 'refused',
-           jsonb_build_object('code', 'PGJ-302', 'type', 'KeyBusy', 'key', on_key,
-                              'message', 'concurrency key ' || on_key
-                                         || ' was full and the task says when_busy=fail'),
-           created_at, message
-      FROM refused
-), refused_count AS (
-    INSERT INTO {schema}.pgjobs_counter AS c (queue, outcome, bucket, shard, n)
-    SELECT queue, 'refused', date_trunc('minute', now()), %(worker)s, count(*)
-      FROM refused GROUP BY queue
-    ON CONFLICT (queue, outcome, bucket, shard) DO UPDATE SET n = c.n + excluded.n
 )
 SELECT 'c' AS kind, id, claim, queue, message::text AS message, NULL::float8 AS due_in,
        limited, NULL::text AS on_key
@@ -179,10 +128,8 @@ SELECT 'c' AS kind, id, claim, queue, message::text AS message, NULL::float8 AS 
 UNION ALL
 SELECT 'a', id, NULL, queue, NULL, NULL, NULL, NULL FROM acked
 UNION ALL
-SELECT 'h', v.id, NULL, NULL,
-       CASE WHEN v.verdict <> 'full' THEN v.verdict WHEN v.fail THEN 'refused' ELSE 'parked' END,
-       NULL, true, v.on_key
-  FROM verdicts AS v WHERE v.verdict <> 'ok'
+SELECT 'h', a.id, NULL, NULL, (a.v).verdict, NULL, true, (a.v).on_key
+  FROM admitted AS a WHERE (a.v).verdict <> 'ok'
 UNION ALL
 SELECT 'n', NULL, NULL, NULL, NULL,
        (SELECT extract(epoch FROM min(j.run_at) - now())::float8
@@ -190,7 +137,7 @@ SELECT 'n', NULL, NULL, NULL, NULL,
          WHERE j.queue = ANY(%(queues)s::text[]) AND j.state = 'ready' AND j.run_at > now()),
        NULL, NULL
  WHERE (SELECT count(*) FROM claimed) < %(n)s
-   AND NOT EXISTS (SELECT 1 FROM verdicts WHERE verdict <> 'ok');
+   AND NOT EXISTS (SELECT 1 FROM admitted AS a WHERE (a.v).verdict <> 'ok');
 
 -- name: job_requeue :many
 -- Fenced requeue (basic_reject requeue=True, warm-shutdown restore). When %(uncount)s, the
