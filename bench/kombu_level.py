@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from typing import Any
 
 import kombu
 import psycopg
@@ -18,6 +19,31 @@ import psycopg
 from kombu_pgjobs.core import job_from_message
 
 SCHEMA = "bench_kombu"
+
+
+def publish_in_batches(backend: Any, jobs: list[Any]) -> None:
+    """Insert prepared jobs 1,000 per statement (what ``kombu_pgjobs.batch()`` does)."""
+    for i in range(0, len(jobs), 1000):
+        chunk = jobs[i:i + 1000]
+        backend.publishing(lambda c, chunk=chunk: backend.core.publish_many(c, chunk))
+
+
+def consume_and_ack(conn: kombu.Connection, channel: Any, queue: kombu.Queue, n: int,
+                    prefetch: int) -> float:
+    """msg/s of one kombu Consumer acking each of ``n`` messages in its callback."""
+    got = 0
+
+    def on_message(body: object, msg: kombu.Message) -> None:
+        nonlocal got
+        got += 1
+        msg.ack()
+
+    with kombu.Consumer(channel, [queue], callbacks=[on_message], accept=["json"],
+                        prefetch_count=prefetch):
+        start = time.perf_counter()
+        while got < n:
+            conn.drain_events(timeout=10)
+        return n / (time.perf_counter() - start)
 
 
 def main() -> None:
@@ -38,24 +64,10 @@ def main() -> None:
         jobs = [job_from_message("kb", message)] * n
         backend = conn.transport.backend
         start = time.perf_counter()
-        for i in range(0, n, 1000):
-            chunk = jobs[i:i + 1000]
-            backend.publishing(lambda c, chunk=chunk: backend.core.publish_many(c, chunk))
+        publish_in_batches(backend, jobs)
         print(f"batch publish: {n / (time.perf_counter() - start):,.0f} msg/s")
-        got = 0
-
-        def on_message(body: object, msg: kombu.Message) -> None:
-            nonlocal got
-            got += 1
-            msg.ack()
-
-        with kombu.Consumer(channel, [queue], callbacks=[on_message], accept=["json"],
-                            prefetch_count=args.prefetch):
-            start = time.perf_counter()
-            while got < n:
-                conn.drain_events(timeout=10)
-            print(f"consume+ack (prefetch {args.prefetch}): "
-                  f"{n / (time.perf_counter() - start):,.0f} msg/s")
+        rate = consume_and_ack(conn, channel, queue, n, args.prefetch)
+        print(f"consume+ack (prefetch {args.prefetch}): {rate:,.0f} msg/s")
     with psycopg.connect(args.url.replace("pgjobs://", "postgresql://"), autocommit=True) as db:
         db.execute(f"DROP SCHEMA IF EXISTS {SCHEMA} CASCADE")
 

@@ -25,13 +25,13 @@ import json
 import os
 import statistics
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import kombu
 import psycopg
 
+from bench.kombu_level import consume_and_ack, publish_in_batches
 from kombu_pgjobs.core import job_from_message
 from kombu_pgjobs.limits import LIMITS_HEADER
 
@@ -73,23 +73,9 @@ def one_run(conn: kombu.Connection, mode: str, n: int, prefetch: int, keys: int,
         if limits is not None:
             message["headers"] = {LIMITS_HEADER: limits}
         jobs.append(job_from_message("kl", message))
-    for i in range(0, n, 1000):
-        chunk = jobs[i:i + 1000]
-        backend.publishing(lambda c, chunk=chunk: backend.core.publish_many(c, chunk))
+    publish_in_batches(backend, jobs)
     vacuum(conn.as_uri(include_password=True))
-    got = 0
-
-    def on_message(body: object, msg: kombu.Message) -> None:
-        nonlocal got
-        got += 1
-        msg.ack()
-
-    with kombu.Consumer(channel, [queue], callbacks=[on_message], accept=["json"],
-                        prefetch_count=prefetch):
-        start = time.perf_counter()
-        while got < n:
-            conn.drain_events(timeout=10)
-        rate = n / (time.perf_counter() - start)
+    rate = consume_and_ack(conn, channel, queue, n, prefetch)
     channel.close()
     return rate
 

@@ -277,3 +277,18 @@ BEGIN
     SELECT pairs.id, pairs.claim FROM pairs, notified WHERE NOT pairs.blocked;
 END
 $$;
+
+-- Release every slot of these settled jobs, waiting for the keys' locks: the keys come from each
+-- job's limits. For the statements that settle rows they hold (requeue, dead-lettering).
+-- Returns the number of pairs released.
+CREATE FUNCTION {schema}.pgjobs_release_jobs_v1(p_ids bigint[], p_claims integer[],
+                                                p_limits jsonb[], p_channel text)
+RETURNS bigint
+LANGUAGE sql AS $$
+    SELECT count(*)
+      FROM (SELECT array_agg(r.id) AS ids, array_agg(r.claim) AS claims,
+                   array_agg(e.value ->> 'key') AS keys
+              FROM unnest(p_ids, p_claims, p_limits) AS r(id, claim, limits)
+             CROSS JOIN LATERAL jsonb_array_elements(r.limits -> 'concurrency') AS e) AS x
+     CROSS JOIN LATERAL {schema}.pgjobs_release_v1(x.ids, x.claims, x.keys, p_channel, true)
+$$;

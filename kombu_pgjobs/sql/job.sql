@@ -182,14 +182,9 @@ WITH held AS (
       FROM removed WHERE outcome = 'dead'
 ), released AS (
     -- Slots of limited messages are freed (and their parked rows woken) in the same statement.
-    SELECT r.id
-      FROM (SELECT array_agg(held.id) AS ids, array_agg(held.claim) AS claims,
-                   array_agg(e.value ->> 'key') AS keys
-              FROM held
-             CROSS JOIN LATERAL jsonb_array_elements(held.limits -> 'concurrency') AS e
-             WHERE held.limited HAVING count(*) > 0) AS h
-     CROSS JOIN LATERAL {schema}.pgjobs_release_v1(h.ids, h.claims, h.keys, %(channel)s,
-                                                   true) AS r
+    SELECT {schema}.pgjobs_release_jobs_v1(array_agg(id), array_agg(claim),
+                                           array_agg(limits), %(channel)s) AS n
+      FROM held WHERE limited HAVING count(*) > 0
 ), settled AS (
     SELECT id, queue, 'requeued' AS outcome FROM back
     UNION ALL
@@ -213,14 +208,9 @@ WITH dead AS (
      WHERE j.id = a.id AND j.claim = a.claim AND j.state = 'running'
     RETURNING j.*
 ), released AS (
-    SELECT r.id
-      FROM (SELECT array_agg(dead.id) AS ids, array_agg(dead.claim) AS claims,
-                   array_agg(e.value ->> 'key') AS keys
-              FROM dead
-             CROSS JOIN LATERAL jsonb_array_elements(dead.limits -> 'concurrency') AS e
-             WHERE dead.limit_key IS NOT NULL HAVING count(*) > 0) AS d
-     CROSS JOIN LATERAL {schema}.pgjobs_release_v1(d.ids, d.claims, d.keys, %(channel)s,
-                                                   true) AS r
+    SELECT {schema}.pgjobs_release_jobs_v1(array_agg(id), array_agg(claim),
+                                           array_agg(limits), %(channel)s) AS n
+      FROM dead WHERE limit_key IS NOT NULL HAVING count(*) > 0
 ), counted AS (
     INSERT INTO {schema}.pgjobs_counter AS c (queue, outcome, bucket, shard, n)
     SELECT queue, 'dead', date_trunc('minute', now()), %(worker)s, count(*)

@@ -9,47 +9,28 @@ from __future__ import annotations
 import os
 import time
 
-import psycopg
 from celery import Celery
 
 import celery_ext
+from tests.apps import common
+from tests.apps.common import db, settings
 
-DSN = os.environ.get("PGJOBS_TEST_DSN", "postgresql://postgres@127.0.0.1:5432/test")
-SCHEMA = os.environ.get("PGJOBS_TEST_SCHEMA", "pgjobs_e2e")
-BROKER = os.environ.get("PGJOBS_TEST_BROKER", "pgjobs://postgres@127.0.0.1:5432/test")
+SCHEMA = common.schema()
 
-app = Celery("limited", broker=BROKER)
+app = Celery("limited", broker=common.broker())
 celery_ext.install(app)
-app.conf.update(
-    broker_transport_options={
-        "schema": SCHEMA,
-        "lease_ttl": float(os.environ.get("PGJOBS_TEST_LEASE_TTL", "30")),
-    },
-    worker_prefetch_multiplier=int(os.environ.get("PGJOBS_TEST_PREFETCH", "4")),
-    task_ignore_result=True,
-    worker_hijack_root_logger=False,
-    broker_connection_retry_on_startup=True,
-)
-
-_conn: psycopg.Connection | None = None
-
-
-def _db() -> psycopg.Connection:
-    global _conn
-    if _conn is None or _conn.closed:
-        _conn = psycopg.connect(DSN, autocommit=True)
-    return _conn
+app.conf.update(settings())
 
 
 def _span(label: str, key: str, seconds: float) -> None:
-    db = _db()
-    row = db.execute(
+    conn = db()
+    row = conn.execute(
         f'INSERT INTO "{SCHEMA}".pgjobs_test_span (label, key, pid, started) '
         "VALUES (%s, %s, %s, clock_timestamp()) RETURNING id", (label, key, os.getpid()),
     ).fetchone()
     time.sleep(seconds)
-    db.execute(f'UPDATE "{SCHEMA}".pgjobs_test_span SET finished = clock_timestamp() '
-               "WHERE id = %s", (row[0],))
+    conn.execute(f'UPDATE "{SCHEMA}".pgjobs_test_span SET finished = clock_timestamp() '
+                 "WHERE id = %s", (row[0],))
 
 
 @app.task(name="keyed", concurrency_key=lambda label, key, seconds: key,
