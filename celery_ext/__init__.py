@@ -50,8 +50,10 @@ def install(app: Any) -> Any:
     """
     if installed(app):
         return app
-    if getattr(app, "configured", False):  # else checked at the first publish
-        check_app_limits(app.conf)
+    # Settings given so far (without loading the app's configuration early); the rest are
+    # checked at the first publish.
+    check_app_limits(app.conf if getattr(app, "configured", False)
+                     else getattr(app, "_preconf", None) or {})
     base = symbol_by_name(app.task_cls)
     if not issubclass(base, PgJobsTask):
         composed = PgJobsTask if base.__name__ == "Task" and base.__module__ == \

@@ -149,7 +149,7 @@ def limits_header(task: Any, args: Any, kwargs: Any, options: Mapping[str, Any],
     global_limit = conf.get("pgjobs_global_limit")
     tenant_limit = conf.get("pgjobs_tenant_limit")
     tenant_rate = conf.get("pgjobs_tenant_rate")
-    if queue_limits or global_limit or tenant_limit or tenant_rate:
+    if any(v is not None for v in (queue_limits, global_limit, tenant_limit, tenant_rate)):
         check_app_limits(conf)
         if queue_limits:
             queue = _queue_of(task, args, kwargs, options)

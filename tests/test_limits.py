@@ -295,3 +295,47 @@ def test_cli_shows_held_slots_and_why_a_message_waits(db, schema, url, capsys):
     assert cli(["queues", "--dsn", url, "--schema", schema, "--json"]) == 0
     (queue,) = json.loads(capsys.readouterr().out)["queues"]
     assert queue["waiting"] == 3 and queue["running"] == 3
+
+
+def test_app_level_caps_and_tenant_rate_become_the_header():
+    from celery_ext.limits import limits_header
+
+    app = Celery("appcaps", broker="memory://")
+    celery_ext.install(app)
+    app.conf.update(pgjobs_queue_limits={"reports": 4}, pgjobs_global_limit=50,
+                    pgjobs_tenant_limit=2, pgjobs_tenant_rate=(100, 60),
+                    task_routes={"build_report": {"queue": "reports"}})
+
+    @app.task(name="build_report", concurrency_key=lambda account: account, concurrency=3)
+    def build_report(account: str) -> None:
+        pass
+
+    header = limits_header(build_report, ("acct-9",), {}, {}, {"x-pgjobs-tenant": "acme"})
+    assert header == {
+        "concurrency": [
+            {"key": "key:build_report:acct-9", "limit": 1, "when_busy": "wait"},
+            {"key": "task:build_report", "limit": 3, "when_busy": "wait"},
+            {"key": "queue:reports", "limit": 4},
+            {"key": "global", "limit": 50},
+            {"key": "tenant:acme", "limit": 2},
+        ],
+        "rate": [{"key": "tenant:acme", "limit": 100, "per": 60.0}],
+    }
+    # The transport accepts what celery_ext sends, unchanged in meaning.
+    stored = json.loads(job_from_message("reports", _msg("x", header)).limits)
+    assert [c["key"] for c in stored["concurrency"]] == [
+        c["key"] for c in header["concurrency"]]
+    assert build_report.acks_late is True, "a limited task is acked when it ends"
+
+
+@pytest.mark.parametrize("setting, value", [
+    ("pgjobs_global_limit", 0), ("pgjobs_tenant_limit", -3), ("pgjobs_tenant_limit", 1.5),
+    ("pgjobs_queue_limits", {"q": float("inf")}), ("pgjobs_tenant_rate", (10, 0)),
+    ("pgjobs_tenant_rate", (0, 60)), ("pgjobs_queue_limits", ["q", 3]),
+])
+def test_invalid_app_limits_are_refused(setting, value):
+    app = Celery("badcaps", broker="memory://")
+    app.conf[setting] = value
+    with pytest.raises(InvalidLimit) as info:
+        celery_ext.install(app)
+    assert info.value.code == "PGJ-301"
