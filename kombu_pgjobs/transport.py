@@ -405,15 +405,24 @@ class Transport(virtual.Transport):
             limited, plain = backend.split_limited(acks)
             try:
                 result = backend.core.claim(conn, queues, n, plain, limited)
-                hit = result.acked
-                if result.unsettled:  # a key's lock was busy: settle them now, waiting
-                    hit = hit | backend.core.ack(conn, (), result.unsettled)
             except BaseException:
                 backend.restore_acks(acks)
                 self._dirty.update(queues)
                 if conn.closed or conn.broken:
                     self._conn = None
                 raise
+            hit = result.acked
+            if result.unsettled:  # a key's lock was busy: settle them now, waiting
+                try:
+                    hit = hit | backend.core.ack(conn, (), result.unsettled)
+                except psycopg.Error as exc:
+                    # The claim itself committed: deliver what it took, and let the next flush
+                    # retry these acks (fenced, so a retry can only miss, never double-settle).
+                    log.warning("pgjobs.ack.flush_failed %s", exc, extra={"action": "ack"})
+                    backend.restore_acks(result.unsettled)
+                    acks = [p for p in acks if p not in result.unsettled]
+                    if conn.closed or conn.broken:
+                        self._conn = None
         if acks:
             backend.settled(acks, hit, "ack")
         if result.claimed:
