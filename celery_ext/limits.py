@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from kombu_pgjobs.errors import InvalidLimit, InvalidLimitKey
@@ -43,6 +44,7 @@ from kombu_pgjobs.limits import LIMITS_HEADER, WHEN_BUSY, check_cap, check_key
 
 __all__ = [
     "TENANT_HEADER",
+    "AppLimits",
     "check_app_limits",
     "check_task_limits",
     "limits_header",
@@ -75,29 +77,41 @@ def check_task_limits(cls: type) -> None:
         raise InvalidLimit(f"when_busy= of task {name} must be 'wait' or 'fail', got {busy!r}")
 
 
+@dataclass(frozen=True)
+class AppLimits:
+    """The app-level limit settings, validated."""
+
+    queues: dict[str, int]
+    global_limit: int | None
+    tenant_limit: int | None
+    tenant_rate: tuple[int, float] | None
+
+    @property
+    def caps_running(self) -> bool:
+        return bool(self.queues) or self.global_limit is not None \
+            or self.tenant_limit is not None
+
+
+def check_app_limits(conf: Any) -> AppLimits:
+    """The app-level limit settings, or InvalidLimit for the first invalid one."""
+    queues = conf.get("pgjobs_queue_limits") or {}
+    if not isinstance(queues, Mapping):
+        raise InvalidLimit(f"pgjobs_queue_limits must map queue names to limits, got {queues!r}")
+    caps = {setting: None if conf.get(setting) is None else check_cap(conf.get(setting), setting)
+            for setting in ("pgjobs_global_limit", "pgjobs_tenant_limit")}
+    rate = conf.get("pgjobs_tenant_rate")
+    return AppLimits(
+        queues={q: check_cap(cap, f"pgjobs_queue_limits[{q!r}]") for q, cap in queues.items()},
+        global_limit=caps["pgjobs_global_limit"], tenant_limit=caps["pgjobs_tenant_limit"],
+        tenant_rate=None if rate is None else _rate(rate))
+
+
 def needs_late_ack(cls: type, conf: Any) -> bool:
     """A limit counts a message from its claim to its ack, so a limited task must be acked
     when it ends (``acks_late``), not when it starts."""
     own = getattr(cls, "concurrency", None) is not None or \
         getattr(cls, "concurrency_key", None) is not None
-    return own or any(conf.get(s) for s in (
-        "pgjobs_queue_limits", "pgjobs_global_limit", "pgjobs_tenant_limit"))
-
-
-def check_app_limits(conf: Any) -> None:
-    """Refuse invalid app-level limit settings."""
-    queues = conf.get("pgjobs_queue_limits") or {}
-    if not isinstance(queues, Mapping):
-        raise InvalidLimit(f"pgjobs_queue_limits must map queue names to limits, got {queues!r}")
-    for queue, cap in queues.items():
-        check_cap(cap, f"pgjobs_queue_limits[{queue!r}]")
-    for setting in ("pgjobs_global_limit", "pgjobs_tenant_limit"):
-        value = conf.get(setting)
-        if value is not None:
-            check_cap(value, setting)
-    rate = conf.get("pgjobs_tenant_rate")
-    if rate is not None:
-        _rate(rate)
+    return own or check_app_limits(conf).caps_running
 
 
 def _rate(rate: Any) -> tuple[int, float]:
@@ -143,28 +157,22 @@ def limits_header(task: Any, args: Any, kwargs: Any, options: Mapping[str, Any],
     cap = getattr(task, "concurrency", None)
     if cap is not None:
         caps.append({"key": f"task:{task.name}", "limit": int(cap), "when_busy": busy})
-    conf = task.app.conf
+    app = check_app_limits(task.app.conf)
     rates: list[dict[str, Any]] = []
-    queue_limits = conf.get("pgjobs_queue_limits")
-    global_limit = conf.get("pgjobs_global_limit")
-    tenant_limit = conf.get("pgjobs_tenant_limit")
-    tenant_rate = conf.get("pgjobs_tenant_rate")
-    if any(v is not None for v in (queue_limits, global_limit, tenant_limit, tenant_rate)):
-        check_app_limits(conf)
-        if queue_limits:
-            queue = _queue_of(task, args, kwargs, options)
-            if queue in queue_limits:
-                caps.append({"key": f"queue:{queue}", "limit": int(queue_limits[queue])})
-        if global_limit:
-            caps.append({"key": "global", "limit": int(global_limit)})
-        tenant = headers.get(TENANT_HEADER)
-        if tenant is not None and (tenant_limit or tenant_rate):
-            tenant = check_key(tenant, f"{TENANT_HEADER} header")
-            if tenant_limit:
-                caps.append({"key": f"tenant:{tenant}", "limit": int(tenant_limit)})
-            if tenant_rate:
-                starts, per = _rate(tenant_rate)
-                rates.append({"key": f"tenant:{tenant}", "limit": starts, "per": per})
+    if app.queues:
+        queue = _queue_of(task, args, kwargs, options)
+        if queue in app.queues:
+            caps.append({"key": f"queue:{queue}", "limit": app.queues[queue]})
+    if app.global_limit is not None:
+        caps.append({"key": "global", "limit": app.global_limit})
+    tenant = headers.get(TENANT_HEADER)
+    if tenant is not None and (app.tenant_limit is not None or app.tenant_rate is not None):
+        tenant = check_key(tenant, f"{TENANT_HEADER} header")
+        if app.tenant_limit is not None:
+            caps.append({"key": f"tenant:{tenant}", "limit": app.tenant_limit})
+        if app.tenant_rate is not None:
+            starts, per = app.tenant_rate
+            rates.append({"key": f"tenant:{tenant}", "limit": starts, "per": per})
     if not caps and not rates:
         return None
     out: dict[str, Any] = {}

@@ -86,9 +86,8 @@ class Backend:
         self._acks: list[tuple[int, int, float]] = []
         self._acks_lock = threading.Lock()
         self._ack_listeners: list[Callable[[], None]] = []
-        # leases this process holds: id -> claim; and which of them hold concurrency slots
+        # leases this process holds: id -> claim
         self.held: dict[int, int] = {}
-        self.limited: set[int] = set()
         # acks taken from the buffer and not yet settled (their rows may already be gone)
         self._settling: set[int] = set()
         self._held_lock = threading.Lock()
@@ -187,23 +186,6 @@ class Backend:
             for job_id, claim in pairs:
                 if self.held.get(job_id) == claim:
                     del self.held[job_id]
-                self.limited.discard(job_id)
-
-    def mark_limited(self, ids: list[int]) -> None:
-        """These messages hold concurrency slots: their acks must release them."""
-        if ids:
-            with self._held_lock:
-                self.limited.update(ids)
-
-    def split_limited(self, pairs: list[Pair]) -> tuple[list[Pair], list[Pair]]:
-        """(acks of messages holding concurrency slots, the others)."""
-        if not self.limited:
-            return [], pairs
-        with self._held_lock:
-            limited = [p for p in pairs if p[0] in self.limited]
-        if not limited:
-            return [], pairs
-        return limited, [p for p in pairs if p[0] not in self.limited]
 
     def settled(self, sent: list[Pair], hit: set[int], action: str) -> None:
         """Forget settled leases; log fenced misses (never raise at Celery)."""
@@ -218,8 +200,7 @@ class Backend:
         acks = self.take_acks()
         if acks:
             try:
-                limited, plain = self.split_limited(acks)
-                hit = self.core.ack(conn, plain, limited)
+                hit = self.core.ack(conn, acks)
             except BaseException:
                 self.restore_acks(acks)
                 raise

@@ -68,8 +68,6 @@ class Claimed:
     claim: int
     queue: str
     message: str
-    #: holds concurrency slots: its ack must release them (see QueueCore.claim)
-    limited: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,7 +90,7 @@ class ClaimResult:
     drained: bool
     #: candidates held back by a limit (the queues are not drained: claim again)
     held_back: list[HeldBack] = field(default_factory=list)
-    #: acked pairs the claim left alone: limited ones, to settle with :meth:`QueueCore.ack`
+    #: acks the claim left held (their concurrency key was busy): settle with :meth:`ack`
     unsettled: list[Pair] = field(default_factory=list)
 
 
@@ -207,17 +205,15 @@ class QueueCore:
 
     # -- claim and settle ----------------------------------------------------------------
     def claim(self, conn: psycopg.Connection, queues: Sequence[str], n: int,
-              acks: Sequence[Pair] = (), limited: Sequence[Pair] = ()) -> ClaimResult:
+              acks: Sequence[Pair] = ()) -> ClaimResult:
         """Flush fenced acks and claim up to ``n`` due messages, in one round trip.
 
-        ``limited`` are acks of messages holding concurrency slots: released first. A claim
-        (n > 0) never waits for a key's lock, so those of a busy key come back in
-        ``unsettled`` (settle them with :meth:`ack`, which waits)."""
+        Acked messages that hold concurrency slots release them first. A claim (n > 0) never
+        waits for a key's lock, so the acks of a busy key come back in ``unsettled`` (settle
+        them with :meth:`ack`, which waits)."""
         ack_ids, ack_claims = _pairs(acks)
-        rel_ids, rel_claims = _pairs(limited)
         rows = conn.execute(with_limit(self.schema, "job_claim", n), {
-            "ack_ids": ack_ids, "ack_claims": ack_claims, "rel_ids": rel_ids,
-            "rel_claims": rel_claims, "queues": list(queues), "n": n,
+            "ack_ids": ack_ids, "ack_claims": ack_claims, "queues": list(queues), "n": n,
             "ttl": self.lease_ttl, "worker": self.worker, "channel": self.channel,
         }).fetchall()
         claimed: list[Claimed] = []
@@ -225,11 +221,14 @@ class QueueCore:
         held_back: list[HeldBack] = []
         due_in: float | None = None
         drained = False
-        for kind, job_id, claim, queue, message, due, holds_slots, on_key in rows:
+        unsettled: list[Pair] = []
+        for kind, job_id, claim, queue, message, due, on_key in rows:
             if kind == "c":
-                claimed.append(Claimed(job_id, claim, queue, message, bool(holds_slots)))
+                claimed.append(Claimed(job_id, claim, queue, message))
             elif kind == "a":
                 acked.add(job_id)
+            elif kind == "u":
+                unsettled.append((job_id, claim))
             elif kind == "h":
                 held_back.append(HeldBack(job_id, message, on_key))
             elif kind == "n":
@@ -238,15 +237,13 @@ class QueueCore:
         for h in held_back:
             if h.verdict == "refused":
                 log_event("pgjobs.limit.refused", job_id=h.id, key=h.key)
-        unsettled = [p for p in limited if p[0] not in acked] if n > 0 else []
         return ClaimResult(claimed, acked, due_in, drained, held_back, unsettled)
 
-    def ack(self, conn: psycopg.Connection, pairs: Sequence[Pair],
-            limited: Sequence[Pair] = ()) -> set[int]:
+    def ack(self, conn: psycopg.Connection, pairs: Sequence[Pair]) -> set[int]:
         """Fenced delete of acked messages when no claim goes with them (the claim statement
-        with nothing to claim); ``limited`` ones release their slots, waiting for their keys'
+        with nothing to claim); those holding slots release them, waiting for their keys'
         locks. Returns the ids that were still held."""
-        return self.claim(conn, (), 0, pairs, limited).acked
+        return self.claim(conn, (), 0, pairs).acked
 
     def vacuum(self, conn: psycopg.Connection) -> None:
         """VACUUM the job and slot tables (the keeper, when the server runs without autovacuum

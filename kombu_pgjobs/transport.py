@@ -402,9 +402,8 @@ class Transport(virtual.Transport):
             # queue (notify handler), and must not be erased by a clear that comes after.
             self._dirty.difference_update(queues)
             acks = backend.take_acks()
-            limited, plain = backend.split_limited(acks)
             try:
-                result = backend.core.claim(conn, queues, n, plain, limited)
+                result = backend.core.claim(conn, queues, n, acks)
             except BaseException:
                 backend.restore_acks(acks)
                 self._dirty.update(queues)
@@ -414,7 +413,7 @@ class Transport(virtual.Transport):
             hit = result.acked
             if result.unsettled:  # a key's lock was busy: settle them now, waiting
                 try:
-                    hit = hit | backend.core.ack(conn, (), result.unsettled)
+                    hit = hit | backend.core.ack(conn, result.unsettled)
                 except psycopg.Error as exc:
                     # The claim itself committed: deliver what it took, and let the next flush
                     # retry these acks (fenced, so a retry can only miss, never double-settle).
@@ -426,7 +425,6 @@ class Transport(virtual.Transport):
         if acks:
             backend.settled(acks, hit, "ack")
         if result.claimed:
-            backend.mark_limited([r.id for r in result.claimed if r.limited])
             held = []
             for r in result.claimed:
                 if no_ack or r.queue in channel._no_ack_queues:

@@ -81,7 +81,7 @@ def test_parked_rows_burn_no_attempt_and_wake_one_per_release(db, schema):
         f"SELECT max(attempts) FROM \"{schema}\".pgjobs_job WHERE state = 'waiting'").fetchone()
     assert attempts[0] == 0, "a parked message burns no attempt"
     # An ack releases one slot and wakes exactly one parked row.
-    core.ack(db, (), [(first.claimed[0].id, first.claimed[0].claim)])
+    core.ack(db, [(first.claimed[0].id, first.claimed[0].claim)])
     assert _states(db, schema) == {"running": 1, "waiting": 3, "ready": 1}
     again = core.claim(db, ["q"], 6)
     assert len(again.claimed) == 1
@@ -93,34 +93,44 @@ def test_parked_rows_burn_no_attempt_and_wake_one_per_release(db, schema):
     assert slots == 1
 
 
+def _held_slots(db: psycopg.Connection[Any], schema: str) -> list[tuple[str, int]]:
+    return db.execute(f'SELECT limit_key, job_id FROM "{schema}".pgjobs_slot '
+                      "WHERE job_id IS NOT NULL ORDER BY job_id").fetchall()
+
+
 def test_acks_ride_on_the_claim_and_release_slots_first(db, schema):
     core = _core(db, schema)
     _publish(core, db, [("a", _keyed("k", 1)), ("plain", None), ("b", _keyed("k", 1))])
     got = core.claim(db, ["q"], 3).claimed
-    assert [c.limited for c in got] == [True, False]
+    assert ['"a"' in c.message for c in got] == [True, False]
     assert _states(db, schema) == {"running": 2, "waiting": 1}
-    plain = [(c.id, c.claim) for c in got if not c.limited]
-    limited = [(c.id, c.claim) for c in got if c.limited]
-    result = core.claim(db, ["q"], 2, plain, limited)
+    assert _held_slots(db, schema) == [("k", got[0].id)]
+    # One list of acks: the statement tells from each row which ones hold slots.
+    result = core.claim(db, ["q"], 2, [(c.id, c.claim) for c in got])
     assert result.acked == {c.id for c in got} and result.unsettled == []
     # The release ran before admission and woke "b"; "b" is claimed next (the claim's own
     # snapshot predates the wake-up).
     assert _states(db, schema) == {"ready": 1}
+    assert _held_slots(db, schema) == []
     (b,) = core.claim(db, ["q"], 2).claimed
-    assert '"b"' in b.message and b.limited
+    assert '"b"' in b.message
+    assert _held_slots(db, schema) == [("k", b.id)]
 
 
-def test_a_limited_ack_sent_as_plain_frees_the_slot_for_takers(db, schema):
+def test_a_claim_leaves_the_ack_of_a_busy_key_held_and_ack_settles_it(db, dsn, schema):
     core = _core(db, schema)
-    _publish(core, db, [("a", _keyed("k", 1)), ("b", _keyed("k", 1)), ("c", _keyed("k", 1))])
-    (a,) = core.claim(db, ["q"], 3).claimed
-    assert core.ack(db, [(a.id, a.claim)]) == {a.id}  # no release: the slot is orphaned
-    _publish(core, db, [("d", _keyed("k", 1))])
-    (d,) = core.claim(db, ["q"], 3).claimed  # a holder that is gone holds nothing
-    assert '"d"' in d.message
-    core.ack(db, (), [(d.id, d.claim)])
-    assert _states(db, schema) == {"ready": 1, "waiting": 1}
-    assert core.release_orphans(db) == 0  # nothing orphaned left: d's release took it over
+    _publish(core, db, [("a", _keyed("k", 1)), ("plain", None)])
+    a, plain = core.claim(db, ["q"], 2).claimed
+    with psycopg.connect(dsn) as other:  # another transaction is changing key k right now
+        other.execute("SELECT pg_advisory_xact_lock(hashtext(%s), hashtext('k'))",
+                      (core.channel + ".limit",))
+        result = core.claim(db, ["q"], 2, [(a.id, a.claim), (plain.id, plain.claim)])
+        assert result.acked == {plain.id}, "a claim never waits for a key's lock"
+        assert result.unsettled == [(a.id, a.claim)]
+        assert _states(db, schema) == {"running": 1}
+        assert _held_slots(db, schema) == [("k", a.id)]
+    assert core.ack(db, result.unsettled) == {a.id}  # the ack alone waits, then releases
+    assert _states(db, schema) == {} and _held_slots(db, schema) == []
 
 
 def test_flood_of_one_key_does_not_block_other_keys(db, schema):
@@ -246,7 +256,7 @@ def test_limited_task_with_early_ack_is_refused():
     app = Celery("late")
     celery_ext.install(app)
 
-    @app.task(name="early", concurrency=2, acks_late=False)
+    @app.task(name="early", concurrency=2, acks_late=False, shared=False)
     def early() -> None:
         pass
 

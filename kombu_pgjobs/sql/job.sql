@@ -42,34 +42,38 @@ SELECT b.queue, %(priority)s, coalesce(%(run_at)s, now()),
 -- Settle buffered acks and claim up to %(n)s due messages, in one round trip. {limit} is %(n)s
 -- written into the text (one prepared statement per window size): a generic plan that knows
 -- its LIMIT reads the claim index in order at any depth, and saves planning on every claim.
--- Returns kind 'c' rows (claimed: id, claim, queue, message, limited), kind 'a' rows (acks that
--- hit their fence), kind 'h' rows (held back by a limit: id, on_key and, as message, the
--- verdict: parked, refused, later or busy),
--- and, when fewer than
--- %(n)s were claimed and none was held back, one kind 'n' row whose due_in is the number of
--- seconds until a delayed message of these queues is due (NULL if none).
+-- Returns kind 'c' rows (claimed: id, claim, queue, message), kind 'a' rows (acks that hit
+-- their fence), kind 'u' rows (acks left held: their key's lock was busy), kind 'h' rows (held
+-- back by a limit: id, on_key and, as message, the verdict: parked, refused, later or busy),
+-- and, when fewer than %(n)s were claimed and none was held back, one kind 'n' row whose due_in
+-- is the number of seconds until a delayed message of these queues is due (NULL if none).
 -- Limits: a candidate with limits is admitted by pgjobs_admit_v1, which takes its slots, or
 -- parks it ('waiting'), refuses it into the dead letters (when_busy 'fail') or defers it to its
--- rate's next window itself; none of these counts an attempt. Acks of messages holding slots come separately (%(rel_ids)s, %(rel_claims)s):
--- their slots are released first (before any candidate is admitted, so a candidate sees them
--- free) when their keys' locks can be had at once; a claim never waits for a key's lock, so
--- the acks of a busy key are left held and come back in the 'a' rows' absence (the caller
--- settles them with %(n)s = 0, which waits).
-WITH released AS (
+-- rate's next window itself; none of these counts an attempt. An acked row that holds slots
+-- (limit_key set: the row says so, the caller need not know) has them released first, before
+-- any candidate is admitted, so a candidate sees them free. A claim (%(n)s > 0) never waits
+-- for a key's lock: the acks of a busy key are left held and returned as 'u' rows, for the
+-- caller to settle with %(n)s = 0, which waits.
+WITH given AS (
+    -- The fenced acks, read once: which of them hold slots, and under which keys.
+    SELECT a.id, a.claim, j.limits -> 'concurrency' AS caps
+      FROM unnest(%(ack_ids)s::bigint[], %(ack_claims)s::int[]) AS a(id, claim)
+      JOIN {schema}.pgjobs_job AS j
+        ON j.id = a.id AND j.claim = a.claim AND j.state = 'running'
+), released AS (
     SELECT r.id, r.claim
-      FROM (SELECT array_agg(a.id) AS ids, array_agg(a.claim) AS claims,
+      FROM (SELECT array_agg(g.id) AS ids, array_agg(g.claim) AS claims,
                    array_agg(e.value ->> 'key') AS keys
-              FROM unnest(%(rel_ids)s::bigint[], %(rel_claims)s::int[]) AS a(id, claim)
-              JOIN {schema}.pgjobs_job AS j ON j.id = a.id AND j.claim = a.claim
-              LEFT JOIN LATERAL jsonb_array_elements(j.limits -> 'concurrency') AS e ON true
-             WHERE cardinality(%(rel_ids)s::bigint[]) > 0
+              FROM given AS g
+             CROSS JOIN LATERAL jsonb_array_elements(g.caps) AS e
+             WHERE g.caps IS NOT NULL
             HAVING count(*) > 0) AS x
      CROSS JOIN LATERAL {schema}.pgjobs_release_v1(x.ids, x.claims, x.keys, %(channel)s,
                                                    %(n)s = 0) AS r
 ), acked AS (
     -- Fenced ack: only the holder of this exact claim, still running, may delete the row.
     DELETE FROM {schema}.pgjobs_job AS j
-     USING (SELECT * FROM unnest(%(ack_ids)s::bigint[], %(ack_claims)s::int[])
+     USING (SELECT id, claim FROM given WHERE caps IS NULL
             UNION ALL
             SELECT id, claim FROM released) AS a(id, claim)
      WHERE j.id = a.id AND j.claim = a.claim AND j.state = 'running'
@@ -119,23 +123,26 @@ WITH released AS (
            worker = %(worker)s
       FROM admitted AS a
      WHERE j.id = a.id AND (a.v IS NULL OR (a.v).verdict = 'ok')
-    RETURNING j.id, j.claim, j.queue, j.priority, j.run_at, j.message,
-              j.limit_key IS NOT NULL AS limited
+    RETURNING j.id, j.claim, j.queue, j.priority, j.run_at, j.message
 )
 SELECT 'c' AS kind, id, claim, queue, message::text AS message, NULL::float8 AS due_in,
-       limited, NULL::text AS on_key
+       NULL::text AS on_key
   FROM (SELECT * FROM claimed ORDER BY priority DESC, run_at, id) AS ordered
 UNION ALL
-SELECT 'a', id, NULL, queue, NULL, NULL, NULL, NULL FROM acked
+SELECT 'a', id, NULL, queue, NULL, NULL, NULL FROM acked
 UNION ALL
-SELECT 'h', a.id, NULL, NULL, (a.v).verdict, NULL, true, (a.v).on_key
+SELECT 'u', g.id, g.claim, NULL, NULL, NULL, NULL
+  FROM given AS g
+ WHERE g.caps IS NOT NULL AND NOT EXISTS (SELECT 1 FROM released AS r WHERE r.id = g.id)
+UNION ALL
+SELECT 'h', a.id, NULL, NULL, (a.v).verdict, NULL, (a.v).on_key
   FROM admitted AS a WHERE (a.v).verdict <> 'ok'
 UNION ALL
 SELECT 'n', NULL, NULL, NULL, NULL,
        (SELECT extract(epoch FROM min(j.run_at) - now())::float8
           FROM {schema}.pgjobs_job AS j
          WHERE j.queue = ANY(%(queues)s::text[]) AND j.state = 'ready' AND j.run_at > now()),
-       NULL, NULL
+       NULL
  WHERE (SELECT count(*) FROM claimed) < %(n)s
    AND NOT EXISTS (SELECT 1 FROM admitted AS a WHERE (a.v).verdict <> 'ok');
 
