@@ -92,6 +92,7 @@ class Backend:
         self._settling: set[int] = set()
         self._held_lock = threading.Lock()
         self.consumed: dict[str, int] = {}
+        self._churn = 0  # rows settled since the keeper's last vacuum request
         self._keeper: Keeper | None = None
         self._keeper_lock = threading.Lock()
 
@@ -192,6 +193,13 @@ class Backend:
         self.forget(sent)
         with self._acks_lock:
             self._settling.difference_update(i for i, _ in sent)
+            self._churn += len(hit)
+            churned = self.options.vacuum_every and self._churn >= self.options.vacuum_every
+            if churned:
+                self._churn = 0
+        if churned and self._keeper is not None:
+            self._keeper.vacuum_wanted.set()
+            self._keeper.ack_event.set()
         for job_id, claim in sent:
             if job_id not in hit:
                 log_event("pgjobs.settle.unowned", job_id=job_id, fence=claim, settle=action)
@@ -271,7 +279,8 @@ class Keeper(threading.Thread):
         super().__init__(name="pgjobs-keeper", daemon=True)
         self.backend = backend
         self.stop_event = threading.Event()
-        self.ack_event = threading.Event()
+        self.ack_event = threading.Event()  # wakes the keeper: acks buffered, or a vacuum wanted
+        self.vacuum_wanted = threading.Event()
         self._conn: psycopg.Connection[Any] | None = None
 
     def run(self) -> None:
@@ -287,6 +296,9 @@ class Keeper(threading.Thread):
             if self.stop_event.is_set():
                 break
             try:
+                if self.vacuum_wanted.is_set():
+                    self.vacuum_wanted.clear()
+                    b.core.vacuum(self.connection())
                 if self.ack_event.is_set():
                     self.ack_event.clear()
                     if self.stop_event.wait(ack_grace):

@@ -246,10 +246,15 @@ class QueueCore:
         return self.claim(conn, (), 0, pairs).acked
 
     def vacuum(self, conn: psycopg.Connection) -> None:
-        """VACUUM the job and slot tables (the keeper, when the server runs without autovacuum
-        and :meth:`maintain` says dead rows piled up). Skips a table another vacuum holds."""
+        """VACUUM the job and slot tables: the keeper, after its process settled
+        ``vacuum_every`` rows, or when the server runs without autovacuum and :meth:`maintain`
+        says dead rows piled up. Index cleanup always (a claim steps over every dead entry at
+        the head of the claim index until a vacuum removes it); no truncation (its exclusive
+        lock would stall claims, and a queue table grows back). Skips a table another vacuum
+        holds."""
         for table in ("pgjobs_job", "pgjobs_slot"):
-            conn.execute(sql.SQL("VACUUM (SKIP_LOCKED) {}.{}").format(
+            conn.execute(sql.SQL(
+                "VACUUM (SKIP_LOCKED, INDEX_CLEANUP ON, TRUNCATE false) {}.{}").format(
                 sql.Identifier(self.schema), sql.Identifier(table)), prepare=False)
 
     def release_orphans(self, conn: psycopg.Connection, *, limit: int = 1000) -> int:

@@ -74,6 +74,10 @@ OPTIONS: tuple[Option, ...] = (
            "Most messages one claim takes when the channel has no prefetch limit."),
     Option("ack_flush_interval", 0.005, float, 0.0, 1.0,
            "Seconds an ack may wait to be folded into the next claim before it is flushed alone."),
+    Option("vacuum_every", 2000, int, 0, 10_000_000,
+           "Rows this process settles (acks, requeues, dead letters) between its keeper's own "
+           "VACUUMs of the job table, which keep the claim index free of dead entries between "
+           "autovacuum runs. 0: leave vacuuming to autovacuum."),
     Option("connect_timeout", 10.0, float, 0.1, 600.0, "Seconds to wait for a connection."),
     Option("connect_options", None, dict,
            doc="Extra libpq connection parameters, e.g. {'sslmode': 'require'}."),
@@ -170,6 +174,7 @@ class TransportOptions:
     auto_migrate: bool = True
     max_claim: int = 100
     ack_flush_interval: float = 0.005
+    vacuum_every: int = 2000
     connect_timeout: float = 10.0
     connect_options: dict[str, str] | None = field(default=None, hash=False)
     application_name: str = "pgjobs"

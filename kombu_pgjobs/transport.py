@@ -72,6 +72,11 @@ def parse_tag(tag: Any) -> tuple[int, int] | None:
         return None
 
 
+def refill_mark(window: int) -> int:
+    """Free slots at which a channel with a prefetch window claims again: half the window."""
+    return max(1, window // 2)
+
+
 class QoS(virtual.QoS):
     """Acks are buffered in the backend and flushed fenced; rejects settle at once."""
 
@@ -82,6 +87,11 @@ class QoS(virtual.QoS):
         if pair is not None:
             self.channel.backend.buffer_ack(*pair)
         super().ack(delivery_tag)
+        window = self.prefetch_count
+        if window and self.can_consume_max_estimate() == refill_mark(window):
+            # The window just reopened enough to refill: wake the consumer now rather than
+            # when the buffered acks fall due (only the first ack of a batch pokes otherwise).
+            self.channel.connection.poke()
 
     def reject(self, delivery_tag: Any, requeue: bool = False) -> None:
         pair = parse_tag(delivery_tag)
@@ -347,7 +357,7 @@ class Transport(virtual.Transport):
             super().close_connection(connection)
         finally:
             if self._registered:
-                self.backend.remove_ack_listener(self._poke)
+                self.backend.remove_ack_listener(self.poke)
                 self._registered = False
             with self._conn_lock:
                 if self._conn is not None:
@@ -365,6 +375,8 @@ class Transport(virtual.Transport):
         conn = self._conn
         if conn is None or conn.closed:
             conn = self._conn = self.backend.connect()
+            if self.options.use_listen_notify:  # prepared statements: see database.connect
+                conn.execute("SET plan_cache_mode = force_generic_plan", prepare=False)
             self._listening = False
             if self.options.use_listen_notify:
                 conn.add_notify_handler(lambda n: self._dirty.add(n.payload))
@@ -372,11 +384,12 @@ class Transport(virtual.Transport):
                 self._listening = True
             self._dirty.update(self._callbacks)  # anything may have arrived meanwhile
         if not self._registered:
-            self.backend.add_ack_listener(self._poke)
+            self.backend.add_ack_listener(self.poke)
             self._registered = True
         return conn
 
-    def _poke(self) -> None:
+    def poke(self) -> None:
+        """Wake the consumer loop (thread-safe: a byte on the self-pipe)."""
         try:
             os.write(self._wake_w, b"x")
         except (BlockingIOError, OSError):
@@ -480,7 +493,7 @@ class Transport(virtual.Transport):
                 continue
             window = qos.prefetch_count or free
             unacked = len(qos._delivered) - len(qos._dirty)
-            if free < max(1, window // 2) and unacked > 0 and not acks_due:
+            if free < refill_mark(window) and unacked > 0 and not acks_due:
                 # Refill at the low-water mark, not per freed slot; but acks that are due
                 # ride on a claim (which also refills) rather than on a statement of their own.
                 continue

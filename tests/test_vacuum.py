@@ -36,3 +36,29 @@ def test_keeper_vacuums_when_autovacuum_is_off(db, schema):
     wait_for(lambda: _dead(db, schema) < 300, 10, what="dead rows vacuumed")
     assert ("vacuum", None, None) not in core.maintain(db, consumed=["q"], grace=30,
                                                         vacuum_after=100)
+
+
+def _vacuums(db: psycopg.Connection[Any], schema: str) -> int:
+    db.execute("SELECT pg_stat_clear_snapshot()")
+    return db.execute("SELECT vacuum_count FROM pg_stat_user_tables WHERE relid = %s::regclass",
+                      (f'"{schema}".pgjobs_job',)).fetchone()[0]
+
+
+def test_consumer_vacuums_after_vacuum_every_settled_rows(db, schema, url):
+    """Between autovacuum runs a claim steps over every dead entry at the head of the claim
+    index: a consumer's keeper vacuums the job table after it settled vacuum_every rows."""
+    import kombu
+
+    with kombu.Connection(url, transport_options={"schema": schema,
+                                                  "vacuum_every": 100}) as conn:
+        queue = conn.SimpleQueue("vac")
+        for i in range(150):
+            queue.put({"i": i})
+        before = _vacuums(db, schema)
+        for _ in range(150):
+            queue.get(timeout=10).ack()
+        wait_for(lambda: _vacuums(db, schema) > before, 15, what="a vacuum by the keeper")
+        queue.close()
+    reloptions = db.execute("SELECT reloptions FROM pg_class WHERE oid = %s::regclass",
+                            (f'"{schema}".pgjobs_job',)).fetchone()[0]
+    assert "vacuum_truncate=false" in reloptions
