@@ -7,6 +7,7 @@ prefixed with ``BENCH-RESULT``.
   python -m bench.client check
   python -m bench.client purge
   python -m bench.client publish --mode single|batch --n N [--batch-helper module:function]
+                                [--options JSON]
   python -m bench.client latency --samples 50 [--warmup 3]
 """
 
@@ -63,6 +64,10 @@ def op_purge(_: argparse.Namespace) -> dict[str, Any]:
 def op_publish(args: argparse.Namespace) -> dict[str, Any]:
     from bench import batch
     from bench.app import app, noop
+
+    if args.options:
+        app.conf.broker_transport_options = {
+            **app.conf.broker_transport_options, **json.loads(args.options)}
 
     _queue_op(purge=True)
     if args.mode == "single":
@@ -137,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mode", choices=("single", "batch"), required=True)
     p.add_argument("--n", type=int, required=True)
     p.add_argument("--batch-helper", default=None)
+    p.add_argument("--options", default=None, help="JSON: extra transport options")
     p = sub.add_parser("latency")
     p.add_argument("--samples", type=int, default=50)
     p.add_argument("--warmup", type=int, default=3)

@@ -110,8 +110,11 @@ class BrokerRun:
         )
 
     # -- phases -------------------------------------------------------------------------
-    def publish(self, mode: str, figure: str | None) -> None:
+    def publish(self, mode: str, figure: str | None, **options: Any) -> None:
+        """``options``: transport options for this publish only (on top of the broker's)."""
         args = ["publish", "--mode", mode, "--n", str(self.cfg.n)]
+        if options:
+            args += ["--options", json.dumps(options)]
         helper = self.cfg.batch_helpers.get(self.broker.name)
         if mode == "batch" and helper:
             args += ["--batch-helper", helper]
@@ -182,6 +185,9 @@ class BrokerRun:
         return True
 
     def run(self) -> dict[str, Any]:
+        if self.broker.name == "pgjobs":  # what RabbitMQ without publisher confirms promises
+            self._phase("publish single, durable_publish=False", lambda: self.publish(
+                "single", "publish_single_nondurable", durable_publish=False))
         if self._phase("publish single", lambda: self.publish("single", "publish_single")):
             with self.worker("threads") as worker:
                 ok = self._phase("drain threads", lambda: self.drain(worker, "drain_threads"))

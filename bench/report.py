@@ -16,10 +16,14 @@ class Figure:
     label: str
     fmt: str
     ratio: bool  # whether pgjobs/other is meaningful for this figure
+    versus: str | None = None  # the other brokers' figure it is compared with (default: same)
 
 
 FIGURES = (
     Figure("publish_single", "publish, `task.delay()` (tasks/s)", "{:,.0f}", True),
+    Figure("publish_single_nondurable",
+           "publish, `task.delay()`, `durable_publish=False` (tasks/s)", "{:,.0f}", True,
+           versus="publish_single"),
     Figure("publish_batch", "publish, batch path (tasks/s)", "{:,.0f}", True),
     Figure("drain_threads", "drain, threads c=8 (tasks/s)", "{:,.0f}", True),
     Figure("drain_prefork", "drain, prefork c=2 (tasks/s)", "{:,.0f}", True),
@@ -46,13 +50,14 @@ def _values(runs: list[dict[str, Any]], key: str) -> list[float]:
     return [r["figures"][key] for r in runs if key in r["figures"]]
 
 
-def ratios(results: dict[str, dict[str, Any]], key: str, other: str) -> list[float]:
+def ratios(results: dict[str, dict[str, Any]], key: str, other: str,
+           versus: str | None = None) -> list[float]:
     """pgjobs/other per run index, only where both measured the figure in that run."""
     mine = results.get(REFERENCE, {}).get("runs", [])
     theirs = results.get(other, {}).get("runs", [])
     out = []
     for a, b in zip(mine, theirs, strict=False):  # a broker may have fewer runs
-        va, vb = a["figures"].get(key), b["figures"].get(key)
+        va, vb = a["figures"].get(key), b["figures"].get(versus or key)
         if va is not None and vb:
             out.append(va / vb)
     return out
@@ -69,9 +74,9 @@ def build(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     for other in RATIO_AGAINST:
         if REFERENCE in results and other in results:
             summary["ratios"][f"{REFERENCE}/{other}"] = {
-                f.key: summarize(ratios(results, f.key, other))
+                f.key: summarize(ratios(results, f.key, other, f.versus))
                 for f in FIGURES
-                if f.ratio and ratios(results, f.key, other)
+                if f.ratio and ratios(results, f.key, other, f.versus)
             }
     return summary
 

@@ -211,11 +211,21 @@ class QueueCore:
         Acked messages that hold concurrency slots release them first. A claim (n > 0) never
         waits for a key's lock, so the acks of a busy key come back in ``unsettled`` (settle
         them with :meth:`ack`, which waits)."""
+        query, params = self.claim_statement(queues, n, acks)
+        return self.claim_result(conn.execute(query, params).fetchall())
+
+    def claim_statement(self, queues: Sequence[str], n: int,
+                        acks: Sequence[Pair] = ()) -> tuple[sql.Composed, dict[str, Any]]:
+        """The statement and parameters of :meth:`claim`, for a caller that sends it itself
+        (the transport, without blocking Celery's event loop); read its rows with
+        :meth:`claim_result`."""
         ack_ids, ack_claims = _pairs(acks)
-        rows = conn.execute(with_limit(self.schema, "job_claim", n), {
+        return with_limit(self.schema, "job_claim", n), {
             "ack_ids": ack_ids, "ack_claims": ack_claims, "queues": list(queues), "n": n,
             "ttl": self.lease_ttl, "worker": self.worker, "channel": self.channel,
-        }).fetchall()
+        }
+
+    def claim_result(self, rows: Sequence[tuple[Any, ...]]) -> ClaimResult:
         claimed: list[Claimed] = []
         acked: set[int] = set()
         held_back: list[HeldBack] = []

@@ -49,9 +49,10 @@ from kombu.utils.objects import cached_property
 from psycopg import sql
 
 from .backend import Backend, backend_for
-from .core import Claimed, job_from_message
+from .core import Claimed, ClaimResult, Pair, job_from_message
 from .database import conninfo_from_parts
 from .errors import DatabaseUnavailable, InvalidName, PgJobsError
+from .inflight import InFlight, supported
 from .options import TransportOptions, validate_queue_name
 
 __all__ = ["Channel", "QoS", "Transport", "parse_tag"]
@@ -123,6 +124,7 @@ class Channel(virtual.Channel):
     connection: Transport
 
     def __init__(self, connection: Transport, **kwargs: Any) -> None:
+        self.closing = False
         super().__init__(connection, **kwargs)
         self._tables: dict[str, tuple[float, list[tuple[str, str, str]], str | None]] = {}
         self._no_ack_queues: set[str] = set()
@@ -277,6 +279,11 @@ class Channel(virtual.Channel):
 
     def close(self) -> None:
         if not self.closed and self.connection is not None:
+            self.closing = True
+            try:
+                self.connection.channel_closing(self)
+            except Exception as exc:  # their leases lapse and they come back
+                log.warning("pgjobs.claim.failed %s", exc, extra={"action": "close"})
             # Flush buffered acks before unacked messages are restored.
             try:
                 self.backend.publishing(self.backend.flush_acks)
@@ -328,6 +335,10 @@ class Transport(virtual.Transport):
         self._hub_fds: list[int] = []
         self._hub_timer: Any = None
         self._hub_timer_at = 0.0
+        # A claim sent from the hub whose result is not read yet: (InFlight, channel, queues,
+        # acks). The claim connection does nothing else meanwhile.
+        self._inflight: tuple[InFlight, Channel, list[str], list[Pair]] | None = None
+        self._async_claims = False
         if not self.options.event_loop:
             self.implements = virtual.Transport.implements.extend(
                 exchange_type=frozenset(["direct", "topic", "fanout"]), heartbeats=False,
@@ -360,6 +371,11 @@ class Transport(virtual.Transport):
                 self.backend.remove_ack_listener(self.poke)
                 self._registered = False
             with self._conn_lock:
+                if self._inflight is not None:
+                    # Its claim's rows come back when their leases lapse; its acks go with
+                    # the next flush (fenced: a retry can only miss).
+                    self.backend.restore_acks(self._inflight[3])
+                    self._inflight = None
                 if self._conn is not None:
                     self._conn.close()
                     self._conn = None
@@ -382,6 +398,9 @@ class Transport(virtual.Transport):
                 conn.add_notify_handler(lambda n: self._dirty.add(n.payload))
                 conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.backend.core.channel)))
                 self._listening = True
+            # A claim sent from the hub is read when this socket turns readable: LISTEN has
+            # the socket registered with the hub (see _hub_rearm).
+            self._async_claims = self._listening and supported(conn)
             self._dirty.update(self._callbacks)  # anything may have arrived meanwhile
         if not self._registered:
             self.backend.add_ack_listener(self.poke)
@@ -408,8 +427,10 @@ class Transport(virtual.Transport):
 
     def claim_for(self, channel: Channel, queues: list[str], n: int, *,
                   no_ack: bool = False) -> list[Claimed]:
+        """Claim up to ``n`` for ``channel`` and wait for the rows (acks ride along)."""
         backend = self.backend
         with self._conn_lock:
+            self._finish_inflight()
             conn = self._claim_conn()
             # Clear before the claim: a NOTIFY read together with its result re-marks the
             # queue (notify handler), and must not be erased by a clear that comes after.
@@ -418,23 +439,84 @@ class Transport(virtual.Transport):
             try:
                 result = backend.core.claim(conn, queues, n, acks)
             except BaseException:
-                backend.restore_acks(acks)
-                self._dirty.update(queues)
-                if conn.closed or conn.broken:
-                    self._conn = None
+                self._claim_failed(queues, acks)
                 raise
-            hit = result.acked
-            if result.unsettled:  # a key's lock was busy: settle them now, waiting
-                try:
-                    hit = hit | backend.core.ack(conn, result.unsettled)
-                except psycopg.Error as exc:
-                    # The claim itself committed: deliver what it took, and let the next flush
-                    # retry these acks (fenced, so a retry can only miss, never double-settle).
-                    log.warning("pgjobs.ack.flush_failed %s", exc, extra={"action": "ack"})
-                    backend.restore_acks(result.unsettled)
-                    acks = [p for p in acks if p not in result.unsettled]
-                    if conn.closed or conn.broken:
-                        self._conn = None
+            return self._claimed(channel, queues, acks, result, no_ack=no_ack)
+
+    def _start_claim(self, channel: Channel, queues: list[str], n: int) -> None:
+        """Send a claim from Celery's event loop and return; :meth:`_poll_inflight` reads it."""
+        backend = self.backend
+        with self._conn_lock:
+            conn = self._claim_conn()
+            self._dirty.difference_update(queues)
+            acks = backend.take_acks()
+            try:
+                query, params = backend.core.claim_statement(queues, n, acks)
+                self._inflight = (InFlight(conn, query, params), channel, queues, acks)
+            except BaseException:
+                self._claim_failed(queues, acks)
+                raise
+
+    def _poll_inflight(self, *, block: bool = False) -> list[Claimed]:
+        """Read the claim in flight if its result is in (or wait for it): deliverable rows."""
+        if self._inflight is None:
+            return []
+        with self._conn_lock:
+            if self._inflight is None:
+                return []
+            pending, channel, queues, acks = self._inflight
+            try:
+                if not (pending.wait() if block else pending.poll()):
+                    return []
+                self._inflight = None
+                result = self.backend.core.claim_result(pending.rows())
+            except BaseException:
+                self._inflight = None
+                self._claim_failed(queues, acks)
+                raise
+            rows = self._claimed(channel, queues, acks, result, no_ack=False)
+        if rows and (channel.closed or channel.closing or not channel._consumers):
+            # Its consumer went away while the claim was in flight: hand the rows back.
+            channel.settle([(r.id, r.claim) for r in rows], requeue=True, uncount=True)
+            return []
+        return rows
+
+    def _finish_inflight(self) -> None:
+        """Before any other use of the claim connection: complete the claim in flight and
+        deliver what it took."""
+        for row in self._poll_inflight(block=True):
+            self._deliver(self.to_message(row), row.queue)
+
+    def channel_closing(self, channel: Channel) -> None:
+        """A claim in flight for a closing channel: wait for it and hand its rows back."""
+        inflight = self._inflight
+        if inflight is not None and inflight[1] is channel:
+            self._poll_inflight(block=True)
+
+    def _claim_failed(self, queues: list[str], acks: list[Pair]) -> None:
+        self.backend.restore_acks(acks)
+        self._dirty.update(queues)
+        conn = self._conn
+        if conn is not None and (conn.closed or conn.broken):
+            self._conn = None
+
+    def _claimed(self, channel: Channel, queues: list[str], acks: list[Pair],
+                 result: ClaimResult, *, no_ack: bool) -> list[Claimed]:
+        """Account for a claim's result: settled acks, held leases, what to claim next."""
+        backend = self.backend
+        hit = result.acked
+        if result.unsettled:  # a key's lock was busy: settle them now, waiting
+            try:
+                hit = hit | backend.core.ack(self._claim_conn(), result.unsettled)
+            except psycopg.Error as exc:
+                # The claim itself committed: deliver what it took, and let the next flush
+                # retry these acks (fenced, so a retry can only miss, never double-settle).
+                log.warning("pgjobs.ack.flush_failed %s", exc, extra={"action": "ack"})
+                backend.restore_acks(result.unsettled)
+                acks = [p for p in acks if p not in result.unsettled]
+                conn = self._conn
+                if conn is not None and (conn.closed or conn.broken):
+                    self._conn = None
         if acks:
             backend.settled(acks, hit, "ack")
         if result.claimed:
@@ -465,10 +547,18 @@ class Transport(virtual.Transport):
         return result.claimed
 
     # -- the consumer loop ---------------------------------------------------------------
-    def _pump(self) -> int:
-        """Claim and deliver for every channel whose window is open enough; flush acks."""
+    def _pump(self, *, on_hub: bool = False) -> int:
+        """Claim and deliver for every channel whose window is open enough; flush acks.
+        ``on_hub``: a claim is sent and left in flight (one at a time); its rows are delivered
+        when its result comes in, by a later call."""
         delivered = 0
         self._again = False
+        if on_hub:
+            for row in self._poll_inflight():
+                self._deliver(self.to_message(row), row.queue)
+                delivered += 1
+            if self._inflight is not None:
+                return delivered  # the claim connection is busy until its result is read
         now = time.monotonic()
         if now >= self._next_poll:
             self._dirty.update(self._callbacks)
@@ -497,13 +587,18 @@ class Transport(virtual.Transport):
                 # Refill at the low-water mark, not per freed slot; but acks that are due
                 # ride on a claim (which also refills) rather than on a statement of their own.
                 continue
-            rows = self.claim_for(channel, queues, min(free, self.options.max_claim))
+            n = min(free, self.options.max_claim)
             acks_due = False
+            if on_hub and self._async_claims:
+                self._start_claim(channel, queues, n)
+                return delivered
+            rows = self.claim_for(channel, queues, n)
             for row in rows:
                 self._deliver(self.to_message(row), row.queue)
             delivered += len(rows)
         if acks_due:  # nothing to claim: the acks go alone
             with self._conn_lock:
+                self._finish_inflight()
                 self.backend.flush_acks(self._claim_conn())
         return delivered
 
@@ -581,7 +676,7 @@ class Transport(virtual.Transport):
         if hub is None:
             return
         self._read_wakeups()
-        delivered = self._pump()
+        delivered = self._pump(on_hub=True)
         self._hub_rearm()
         if delivered or self._again:
             hub.call_soon(self._on_hub_event)  # more may be waiting: keep draining

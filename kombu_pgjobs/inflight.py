@@ -1,0 +1,66 @@
+"""A statement sent on a psycopg connection whose result is read later, without blocking.
+
+Celery's event loop must not sit in a claim's round trip: while Postgres runs the claim, the
+worker's main process has tasks to hand to pool children and results to read. :class:`InFlight`
+sends the statement and returns; the loop calls :meth:`InFlight.poll` when the connection's
+socket is readable, and the rows are read once the whole result is in.
+
+It drives psycopg's own execution generator (the one ``Cursor.execute`` runs to completion), so
+prepared statements, adaptation and error handling stay psycopg's. That generator is not public
+API: :func:`supported` says whether this psycopg has it, and callers fall back to a blocking
+``execute`` when it does not.
+"""
+
+from __future__ import annotations
+
+import select
+from typing import Any
+
+import psycopg
+from psycopg.waiting import Ready, Wait
+
+__all__ = ["InFlight", "supported"]
+
+
+def supported(conn: psycopg.Connection[Any]) -> bool:
+    return hasattr(conn.cursor(), "_execute_gen")
+
+
+class InFlight:
+    """One statement in flight on ``conn``; nothing else may use ``conn`` until it is done."""
+
+    def __init__(self, conn: psycopg.Connection[Any], query: Any, params: Any) -> None:
+        self.conn = conn
+        self.cursor = conn.cursor()
+        self.done = False
+        self._gen = self.cursor._execute_gen(query, params)
+        self._advance(None)  # send it
+
+    def _advance(self, ready: Ready | None) -> None:
+        try:
+            state = next(self._gen) if ready is None else self._gen.send(ready)
+            while state & Wait.W:
+                # The send buffer is full (a very large statement): wait until it drains.
+                fd = self.conn.fileno()
+                r, w, _ = select.select([fd] if state & Wait.R else [], [fd], [])
+                state = self._gen.send(Ready((Ready.R if r else 0) | (Ready.W if w else 0)))
+        except StopIteration:
+            self.done = True
+
+    def poll(self) -> bool:
+        """Read what arrived (never blocks); True once the result is complete."""
+        if not self.done:
+            self._advance(Ready.R)
+        return self.done
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the result is complete (or ``timeout``); True when it is."""
+        while not self.done:
+            r, _, _ = select.select([self.conn.fileno()], [], [], timeout)
+            if not r:
+                return False
+            self._advance(Ready.R)
+        return True
+
+    def rows(self) -> list[tuple[Any, ...]]:
+        return self.cursor.fetchall()
