@@ -197,9 +197,11 @@ def test_reject_and_final_failures_become_dead_letters_and_requeue_runs_them_aga
     assert f1["error"]["rule"] == "unclassified"
     assert f1["error"]["job_id"] == job_ids[failed.id], "points at the message it copies"
     assert f1["attempts"] == 1 and f1["claim"] == 1
-    left = db.execute(f'SELECT count(*) FROM "{schema}".pgjobs_job '
-                      "WHERE queue = 'celery'").fetchone()[0]
-    assert left == 0, "the failed messages themselves were settled (acked) by Celery"
+    # Celery acks each failed message after its dead letter is written; the ack is flushed
+    # within ack_flush_interval (a few milliseconds).
+    wait_for(lambda: db.execute(f'SELECT count(*) FROM "{schema}".pgjobs_job '
+                                "WHERE queue = 'celery'").fetchone()[0] == 0, 5,
+             what="the failed messages themselves settled (acked) by Celery")
 
     # Requeue from the CLI runs them again: the fixed one succeeds ...
     fx = by_task[fixable.id]
