@@ -85,9 +85,9 @@ def connect(conninfo: str, *, autocommit: bool = True,
     try:
         if not prepare:
             return psycopg.connect(conninfo, autocommit=autocommit, prepare_threshold=None)
-        # Prepared on first use; plan_cache_mode stays 'auto'. The claim writes its LIMIT into
-        # the text (sql.with_limit), so its generic plan reads the index in order at any depth
-        # and the planner soon stops re-planning it (planning was half of a claim's time).
+        # Prepared on first use. The claim writes its LIMIT into the text (sql.with_limit), so
+        # its generic plan reads the index in order at any depth; the claim connection forces
+        # generic plans (Backend.connect(hot=True)).
         return psycopg.connect(conninfo, autocommit=autocommit, prepare_threshold=0)
     except psycopg.OperationalError as exc:
         raise DatabaseUnavailable(f"cannot connect to PostgreSQL: {exc}".strip()) from exc

@@ -390,9 +390,7 @@ class Transport(virtual.Transport):
     def _claim_conn(self) -> psycopg.Connection[Any]:
         conn = self._conn
         if conn is None or conn.closed:
-            conn = self._conn = self.backend.connect()
-            if self.options.use_listen_notify:  # prepared statements: see database.connect
-                conn.execute("SET plan_cache_mode = force_generic_plan", prepare=False)
+            conn = self._conn = self.backend.connect(hot=True)
             self._listening = False
             if self.options.use_listen_notify:
                 conn.add_notify_handler(lambda n: self._dirty.add(n.payload))
