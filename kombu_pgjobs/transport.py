@@ -339,6 +339,7 @@ class Transport(virtual.Transport):
         # acks). The claim connection does nothing else meanwhile.
         self._inflight: tuple[InFlight, Channel, list[str], list[Pair]] | None = None
         self._async_claims = False
+        self._next_channel = 0  # where the next pump starts among the channels (round robin)
         if not self.options.event_loop:
             self.implements = virtual.Transport.implements.extend(
                 exchange_type=frozenset(["direct", "topic", "fanout"]), heartbeats=False,
@@ -494,6 +495,10 @@ class Transport(virtual.Transport):
     def _claim_failed(self, queues: list[str], acks: list[Pair]) -> None:
         self.backend.restore_acks(acks)
         self._dirty.update(queues)
+        self._drop_if_broken()
+
+    def _drop_if_broken(self) -> None:
+        """Forget a claim connection that broke: the next use reconnects (and re-LISTENs)."""
         conn = self._conn
         if conn is not None and (conn.closed or conn.broken):
             self._conn = None
@@ -512,9 +517,7 @@ class Transport(virtual.Transport):
                 log.warning("pgjobs.ack.flush_failed %s", exc, extra={"action": "ack"})
                 backend.restore_acks(result.unsettled)
                 acks = [p for p in acks if p not in result.unsettled]
-                conn = self._conn
-                if conn is not None and (conn.closed or conn.broken):
-                    self._conn = None
+                self._drop_if_broken()
         if acks:
             backend.settled(acks, hit, "ack")
         if result.claimed:
@@ -567,7 +570,9 @@ class Transport(virtual.Transport):
             self._dirty.update(self._callbacks)
         age = self.backend.oldest_ack_age()
         acks_due = age is not None and age >= self.options.ack_flush_interval
-        for channel in list(self.channels):
+        channels = list(self.channels)
+        first = self._next_channel % len(channels) if channels else 0
+        for index, channel in enumerate(channels[first:] + channels[:first], first):
             if not channel._consumers or channel.closed:
                 continue
             queues = [q for q in channel._active_queues if q in self._dirty]
@@ -589,6 +594,9 @@ class Transport(virtual.Transport):
             acks_due = False
             if on_hub and self._async_claims:
                 self._start_claim(channel, queues, n)
+                # One claim in flight: the next pump starts with the next channel, so a busy
+                # task queue cannot starve Celery's remote-control channel.
+                self._next_channel = index + 1
                 return delivered
             rows = self.claim_for(channel, queues, n)
             for row in rows:

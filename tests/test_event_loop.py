@@ -4,6 +4,8 @@ and read later, so the loop never waits on Postgres for them."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import kombu
@@ -16,62 +18,74 @@ def _rows(db: psycopg.Connection[Any], schema: str) -> list[tuple[str, int, int]
                       'ORDER BY id').fetchall()
 
 
-def _consumer(url: str, schema: str, got: list[Any], *, ack: bool) -> tuple[Any, ...]:
-    conn = kombu.Connection(url, transport_options={"schema": schema})
+def _consume(conn: kombu.Connection, queue_name: str,
+             on_message: Callable[[Any, Any], None]) -> Any:
+    """A channel with a prefetch window of 8 consuming ``queue_name``."""
     channel = conn.channel()
     channel.basic_qos(prefetch_size=0, prefetch_count=8)
-    queue = kombu.Queue("loop", channel=channel)
+    queue = kombu.Queue(queue_name, channel=channel)
     queue.declare()
+    kombu.Consumer(channel, queues=[queue], callbacks=[on_message]).consume()
+    return channel
 
+
+def _collect(got: list[Any], *, ack: bool) -> Callable[[Any, Any], None]:
     def on_message(body: Any, message: Any) -> None:
         got.append(body)
         if ack:
             message.ack()
-
-    consumer = kombu.Consumer(channel, queues=[queue], callbacks=[on_message])
-    consumer.consume()
-    return conn, channel
+    return on_message
 
 
-def test_claims_are_sent_from_the_loop_and_delivered_when_their_result_comes_in(url, schema,
-                                                                                 db):
-    got: list[Any] = []
-    conn, _ = _consumer(url, schema, got, ack=True)
+def _publish(conn: kombu.Connection, **counts: int) -> None:
     with conn.Producer() as producer:
-        for i in range(30):
-            producer.publish({"i": i}, routing_key="loop")
+        for queue, n in counts.items():
+            for i in range(n):
+                producer.publish({"i": i}, routing_key=queue)
+
+
+@contextmanager
+def _hub(conn: kombu.Connection) -> Iterator[tuple[Any, Any]]:
+    """The transport registered with a kombu Hub: (transport, the hub's loop)."""
     hub = Hub()
     transport = conn.transport
+    transport.register_with_event_loop(conn.connection, hub)
     try:
-        transport.register_with_event_loop(conn.connection, hub)
-        transport._on_hub_event()
-        # The claim went out and the loop got its turn back before any row came in.
-        assert transport._inflight is not None and got == []
-        loop = hub.create_loop()
-        deadline = time.monotonic() + 20
-        while len(got) < 30 and time.monotonic() < deadline:
-            next(loop)
-        assert sorted(b["i"] for b in got) == list(range(30)), "each message exactly once"
-        deadline = time.monotonic() + 10
-        while _rows(db, schema) and time.monotonic() < deadline:
-            next(loop)
-        assert _rows(db, schema) == [], "every ack was flushed"
+        yield transport, hub.create_loop()
     finally:
         transport.unregister_from_event_loop(conn.connection, hub)
         hub.close()
         conn.release()
 
 
+def _spin(loop: Iterator[Any], done: Callable[[], bool], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not done() and time.monotonic() < deadline:
+        next(loop)
+
+
+def test_claims_are_sent_from_the_loop_and_delivered_when_their_result_comes_in(url, schema,
+                                                                                 db):
+    got: list[Any] = []
+    conn = kombu.Connection(url, transport_options={"schema": schema})
+    _consume(conn, "loop", _collect(got, ack=True))
+    _publish(conn, loop=30)
+    with _hub(conn) as (transport, loop):
+        transport._on_hub_event()
+        # The claim went out and the loop got its turn back before any row came in.
+        assert transport._inflight is not None and got == []
+        _spin(loop, lambda: len(got) >= 30, 20)
+        assert sorted(b["i"] for b in got) == list(range(30)), "each message exactly once"
+        _spin(loop, lambda: not _rows(db, schema), 10)
+        assert _rows(db, schema) == [], "every ack was flushed"
+
+
 def test_a_channel_closed_with_its_claim_in_flight_hands_the_rows_back(url, schema, db):
     got: list[Any] = []
-    conn, channel = _consumer(url, schema, got, ack=False)
-    with conn.Producer() as producer:
-        for i in range(5):
-            producer.publish({"i": i}, routing_key="loop")
-    hub = Hub()
-    transport = conn.transport
-    try:
-        transport.register_with_event_loop(conn.connection, hub)
+    conn = kombu.Connection(url, transport_options={"schema": schema})
+    channel = _consume(conn, "loop", _collect(got, ack=False))
+    _publish(conn, loop=5)
+    with _hub(conn) as (transport, _):
         transport._on_hub_event()
         assert transport._inflight is not None
         channel.close()
@@ -79,7 +93,22 @@ def test_a_channel_closed_with_its_claim_in_flight_hands_the_rows_back(url, sche
         assert transport._inflight is None
         # Claimed (claim 1) and handed back: ready again, no attempt counted.
         assert _rows(db, schema) == [("ready", 1, 0)] * 5
-    finally:
-        transport.unregister_from_event_loop(conn.connection, hub)
-        hub.close()
-        conn.release()
+
+
+def test_a_busy_channel_does_not_starve_another_on_the_same_connection(url, schema):
+    """Celery's worker consumes its task queues and its remote-control queue on two channels of
+    one connection; with one claim in flight at a time, they take turns."""
+    busy: list[Any] = []
+    quiet: list[int] = []
+
+    def on_quiet(body: Any, message: Any) -> None:
+        quiet.append(len(busy))  # how much of the busy queue ran before this one
+        message.ack()
+
+    conn = kombu.Connection(url, transport_options={"schema": schema})
+    _consume(conn, "loop", _collect(busy, ack=True))
+    _consume(conn, "other", on_quiet)
+    _publish(conn, loop=400, other=1)
+    with _hub(conn) as (_, loop):
+        _spin(loop, lambda: bool(quiet), 20)
+        assert quiet and quiet[0] < 100, f"the other channel waited for {quiet} busy messages"
