@@ -98,6 +98,7 @@ def op_latency(args: argparse.Namespace) -> dict[str, Any]:
     path = os.path.join(os.environ["BENCH_STATE_DIR"], "latency")
     rng = random.Random(args.seed)
     delays: list[float] = []
+    publishes: list[float] = []
     timeouts = 0
     deadline = time.monotonic() + args.budget
     offset = os.path.getsize(path) if os.path.exists(path) else 0
@@ -107,6 +108,7 @@ def op_latency(args: argparse.Namespace) -> dict[str, Any]:
             break
         sent = time.time()
         stamp.delay(sent)
+        took = time.time() - sent  # the publish call alone
         wait_until = min(deadline, time.monotonic() + args.sample_timeout)
         got: float | None = None
         while got is None and time.monotonic() < wait_until:
@@ -129,8 +131,9 @@ def op_latency(args: argparse.Namespace) -> dict[str, Any]:
             break
         if i >= args.warmup:
             delays.append(got)
+            publishes.append(took)
         time.sleep(rng.uniform(GAP_MIN, GAP_MAX))
-    return {"delays": delays, "timeouts": timeouts}
+    return {"delays": delays, "publishes": publishes, "timeouts": timeouts}
 
 
 def main(argv: list[str] | None = None) -> int:

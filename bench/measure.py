@@ -154,6 +154,8 @@ class BrokerRun:
             )
         self.figures["latency_p50_ms"] = statistics.median(delays)
         self.figures["latency_p95_ms"] = _percentile(delays, 95)
+        self.figures["latency_publish_p50_ms"] = statistics.median(
+            d * 1000.0 for d in res["publishes"])
 
     def idle(self, worker: Worker) -> None:
         assert self.broker.pg_database and worker.proc is not None

@@ -29,6 +29,7 @@ FIGURES = (
     Figure("drain_prefork", "drain, prefork c=2 (tasks/s)", "{:,.0f}", True),
     Figure("latency_p50_ms", "idle latency p50 (ms)", "{:,.1f}", True),
     Figure("latency_p95_ms", "idle latency p95 (ms)", "{:,.1f}", True),
+    Figure("latency_publish_p50_ms", "  of which the `delay()` call, p50 (ms)", "{:,.1f}", True),
     Figure("idle_statements_per_min", "idle worker: statements/min", "{:,.1f}", False),
     Figure("idle_xacts_per_min", "idle database: transactions/min (+autovacuum)", "{:,.1f}", False),
     Figure("idle_connections", "idle worker: connections held", "{:,.0f}", False),
