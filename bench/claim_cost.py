@@ -2,9 +2,10 @@
 
     python -m bench.claim_cost [--window 4] [--rows 3000] [--dead 30000] [--runs 3]
 
-Every settled message leaves a dead entry in the claim index until a vacuum removes it, and a
-claim walks over all of those at the head of its queue. This inserts and deletes ``--dead`` rows
-(autovacuum off for the table, so they stay), publishes ``--rows`` messages, then claims them
+Every settled message leaves dead entries in the claim index until a vacuum removes them, and
+a claim walks over those at the head of its queue. This first publishes, claims and acks
+``--dead`` messages (autovacuum off for the table, so what they leave behind stays), then
+publishes ``--rows`` messages and claims them
 ``--window`` at a time with the previous claim's acks folded in, as a Celery worker with that
 free window does. It reports the claim statement's p50/p90 time and messages/s, once with the
 dead entries in place and once after ``VACUUM``. Schema ``bench_claim`` in the database of
@@ -36,16 +37,16 @@ def run(window: int, rows: int, dead: int, vacuum: bool) -> tuple[float, float, 
         admin.execute(f"DROP SCHEMA IF EXISTS {SCHEMA} CASCADE")
         migrate(admin, SCHEMA)
         admin.execute(f"ALTER TABLE {SCHEMA}.pgjobs_job SET (autovacuum_enabled = false)")
-        if dead:
-            admin.execute(f"INSERT INTO {SCHEMA}.pgjobs_job (queue, message) "
-                          "SELECT 'q', '{}' FROM generate_series(1, %s)", (dead,))
-            admin.execute(f"DELETE FROM {SCHEMA}.pgjobs_job")
-        if vacuum:
-            admin.execute(f"VACUUM {SCHEMA}.pgjobs_job")
     core = QueueCore(SCHEMA, lease_ttl=30, max_attempts=5, worker="bench:1")
     conn = connect(URL)
     conn.execute("SET plan_cache_mode = force_generic_plan")  # as the transport's claims
     try:
+        if dead:  # what earlier traffic leaves behind: claimed (updated), then acked (deleted)
+            core.publish_many(conn, [NewJob("q", 0, None, None, None, "t", MESSAGE)] * dead)
+            while claimed := core.claim(conn, ["q"], 100).claimed:
+                core.ack(conn, [(c.id, c.claim) for c in claimed])
+        if vacuum:
+            conn.execute(f"VACUUM {SCHEMA}.pgjobs_job")
         core.publish_many(conn, [NewJob("q", 0, None, None, None, "t", MESSAGE)] * rows)
         times: list[float] = []
         acks: list[tuple[int, int]] = []
