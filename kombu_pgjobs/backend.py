@@ -314,7 +314,11 @@ class Keeper(threading.Thread):
                 if self.vacuum_wanted.is_set() and time.monotonic() >= self._vacuum_after:
                     self.vacuum_wanted.clear()
                     started = time.monotonic()
-                    b.core.vacuum(self.connection())
+                    try:
+                        # Never long enough to hold up the next lease renewal much.
+                        b.core.vacuum(self.connection(), timeout=interval / 2)
+                    except psycopg.errors.QueryCanceled:
+                        log.info("pgjobs.keeper.vacuum_cancelled", extra={"action": "keeper"})
                     # At most VACUUM_DUTY of the time vacuuming: a vacuum of a deep table
                     # (its indexes are read whole) waits longer before the next one.
                     took = time.monotonic() - started

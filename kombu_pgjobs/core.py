@@ -255,17 +255,24 @@ class QueueCore:
         locks. Returns the ids that were still held."""
         return self.claim(conn, (), 0, pairs).acked
 
-    def vacuum(self, conn: psycopg.Connection) -> None:
+    def vacuum(self, conn: psycopg.Connection, *, timeout: float | None = None) -> None:
         """VACUUM the job and slot tables: the keeper, after its process settled
         ``vacuum_every`` rows, or when the server runs without autovacuum and :meth:`maintain`
         says dead rows piled up. Index cleanup always (a claim steps over every dead entry at
         the head of the claim index until a vacuum removes it); no truncation (its exclusive
         lock would stall claims, and a queue table grows back). Skips a table another vacuum
-        holds."""
-        for table in ("pgjobs_job", "pgjobs_slot"):
-            conn.execute(sql.SQL(
-                "VACUUM (SKIP_LOCKED, INDEX_CLEANUP ON, TRUNCATE false) {}.{}").format(
-                sql.Identifier(self.schema), sql.Identifier(table)), prepare=False)
+        holds. ``timeout``: seconds after which Postgres cancels it (QueryCanceled)."""
+        if timeout is not None:
+            conn.execute(f"SET statement_timeout = {max(1, int(timeout * 1000))}",
+                         prepare=False)
+        try:
+            for table in ("pgjobs_job", "pgjobs_slot"):
+                conn.execute(sql.SQL(
+                    "VACUUM (SKIP_LOCKED, INDEX_CLEANUP ON, TRUNCATE false) {}.{}").format(
+                    sql.Identifier(self.schema), sql.Identifier(table)), prepare=False)
+        finally:
+            if timeout is not None and not conn.closed:
+                conn.execute("RESET statement_timeout", prepare=False)
 
     def release_orphans(self, conn: psycopg.Connection, *, limit: int = 1000) -> int:
         """Free slots whose holder is gone and wake rows parked on them (the keeper, when

@@ -335,6 +335,7 @@ class Transport(virtual.Transport):
         self._hub_fds: list[int] = []
         self._hub_timer: Any = None
         self._hub_timer_at = 0.0
+        self._hub_conn: psycopg.Connection[Any] | None = None  # whose socket the hub watches
         # A claim sent from the hub whose result is not read yet: (InFlight, channel, queues,
         # acks). The claim connection does nothing else meanwhile.
         self._inflight: tuple[InFlight, Channel, list[str], list[Pair]] | None = None
@@ -453,7 +454,7 @@ class Transport(virtual.Transport):
                 query, params = backend.core.claim_statement(queues, n, acks)
                 self._inflight = (InFlight(conn, query, params), channel, queues, acks)
             except BaseException:
-                self._claim_failed(queues, acks)
+                self._claim_failed(queues, acks, abandoned=True)
                 raise
 
     def _poll_inflight(self, *, block: bool = False) -> list[Claimed]:
@@ -471,13 +472,20 @@ class Transport(virtual.Transport):
                 result = self.backend.core.claim_result(pending.rows())
             except BaseException:
                 self._inflight = None
-                self._claim_failed(queues, acks)
+                self._claim_failed(queues, acks, abandoned=not pending.done)
                 raise
             rows = self._claimed(channel, queues, acks, result, no_ack=False)
-        if rows and (channel.closed or channel.closing or not channel._consumers):
-            # Its consumer went away while the claim was in flight: hand the rows back.
-            channel.settle([(r.id, r.claim) for r in rows], requeue=True, uncount=True)
-            return []
+        closed = channel.closed or channel.closing or not channel._consumers
+        orphans = [r for r in rows if closed or r.queue not in self._callbacks]
+        if orphans:
+            # Their consumer went away while the claim was in flight: hand them back unstarted
+            # (no attempt counted), and stop renewing them whatever happens.
+            pairs = [(r.id, r.claim) for r in orphans]
+            try:
+                channel.settle(pairs, requeue=True, uncount=True)
+            finally:
+                self.backend.forget(pairs)
+            rows = [r for r in rows if r not in orphans]
         return rows
 
     def _finish_inflight(self) -> None:
@@ -488,20 +496,24 @@ class Transport(virtual.Transport):
 
     def channel_closing(self, channel: Channel) -> None:
         """A claim in flight for a closing channel: wait for it and hand its rows back."""
-        inflight = self._inflight
-        if inflight is not None and inflight[1] is channel:
-            self._poll_inflight(block=True)
+        with self._conn_lock:
+            inflight = self._inflight
+            if inflight is not None and inflight[1] is channel:
+                self._poll_inflight(block=True)
 
-    def _claim_failed(self, queues: list[str], acks: list[Pair]) -> None:
+    def _claim_failed(self, queues: list[str], acks: list[Pair], *,
+                      abandoned: bool = False) -> None:
         self.backend.restore_acks(acks)
         self._dirty.update(queues)
-        self._drop_if_broken()
+        self._drop_if_broken(abandoned=abandoned)
 
-    def _drop_if_broken(self) -> None:
-        """Forget a claim connection that broke: the next use reconnects (and re-LISTENs)."""
+    def _drop_if_broken(self, *, abandoned: bool = False) -> None:
+        """Close and forget a claim connection that broke, or (``abandoned``) whose statement
+        was left unfinished: the next use reconnects (and re-LISTENs)."""
         conn = self._conn
-        if conn is not None and (conn.closed or conn.broken):
+        if conn is not None and (abandoned or conn.closed or conn.broken):
             self._conn = None
+            conn.close()
 
     def _claimed(self, channel: Channel, queues: list[str], acks: list[Pair],
                  result: ClaimResult, *, no_ack: bool) -> list[Claimed]:
@@ -640,7 +652,7 @@ class Transport(virtual.Transport):
         if self._due_at is not None:
             wait = min(wait, self._due_at - now)
         age = self.backend.oldest_ack_age()
-        if age is not None:
+        if age is not None and self._inflight is None:  # a claim's result wakes us anyway
             wait = min(wait, self.options.ack_flush_interval - age)
         if self._dirty and any(ch._consumers for ch in self.channels):
             # Work may be waiting but the window is closed: an ack pokes us; check anyway.
@@ -670,7 +682,9 @@ class Transport(virtual.Transport):
         fds = [self._wake_r]
         if self._listening and self._conn is not None:
             fds.append(self._conn.fileno())
-        if fds != self._hub_fds:
+        if fds != self._hub_fds or self._conn is not self._hub_conn:
+            # Compared by connection too: a new socket may get a closed one's fd number.
+            self._hub_conn = self._conn
             for fd in self._hub_fds:
                 hub.remove_reader(fd)
             for fd in fds:

@@ -112,3 +112,25 @@ def test_a_busy_channel_does_not_starve_another_on_the_same_connection(url, sche
     with _hub(conn) as (_, loop):
         _spin(loop, lambda: bool(quiet), 20)
         assert quiet and quiet[0] < 100, f"the other channel waited for {quiet} busy messages"
+
+
+def test_a_consumer_cancelled_with_its_claim_in_flight_hands_its_rows_back_uncounted(
+        url, schema, db):
+    """One channel consumes two queues; one consumer is cancelled (`celery control
+    cancel_consumer`) while a claim for both is in flight."""
+    got: list[Any] = []
+    conn = kombu.Connection(url, transport_options={"schema": schema})
+    channel = _consume(conn, "loop", _collect(got, ack=False))
+    kombu.Queue("other", channel=channel).declare()
+    kombu.Consumer(channel, queues=[kombu.Queue("other", channel=channel)],
+                   callbacks=[_collect(got, ack=False)], tag_prefix="other-").consume()
+    _publish(conn, loop=5)
+    with _hub(conn) as (transport, loop):
+        transport._on_hub_event()
+        assert transport._inflight is not None
+        loop_tag = next(t for t in channel._consumers if not str(t).startswith("other-"))
+        channel.basic_cancel(loop_tag)
+        _spin(loop, lambda: transport._inflight is None, 10)
+        assert got == []
+        # Claimed (claim 1) and handed back unstarted: ready again, no attempt counted.
+        assert _rows(db, schema) == [("ready", 1, 0)] * 5
