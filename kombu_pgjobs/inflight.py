@@ -7,7 +7,7 @@ socket is readable, and the rows are read once the whole result is in.
 
 It drives psycopg's own execution generator (the one ``Cursor.execute`` runs to completion), so
 prepared statements, adaptation and error handling stay psycopg's. That generator is not public
-API: :func:`supported` says whether this psycopg has it, and callers fall back to a blocking
+API: :data:`SUPPORTED` says whether this psycopg has it, and callers fall back to a blocking
 ``execute`` when it does not.
 """
 
@@ -19,11 +19,10 @@ from typing import Any
 import psycopg
 from psycopg.waiting import Ready, Wait
 
-__all__ = ["InFlight", "supported"]
+__all__ = ["SUPPORTED", "InFlight"]
 
-
-def supported(conn: psycopg.Connection[Any]) -> bool:
-    return hasattr(conn.cursor(), "_execute_gen")
+#: Whether this psycopg has the execution generator :class:`InFlight` drives.
+SUPPORTED = hasattr(psycopg.Cursor, "_execute_gen")
 
 
 class InFlight:

@@ -52,7 +52,7 @@ from .backend import Backend, backend_for
 from .core import Claimed, ClaimResult, Pair, job_from_message
 from .database import conninfo_from_parts
 from .errors import DatabaseUnavailable, InvalidName, PgJobsError
-from .inflight import InFlight, supported
+from .inflight import SUPPORTED, InFlight
 from .options import TransportOptions, validate_queue_name
 
 __all__ = ["Channel", "QoS", "Transport", "parse_tag"]
@@ -400,7 +400,7 @@ class Transport(virtual.Transport):
                 self._listening = True
             # A claim sent from the hub is read when this socket turns readable: LISTEN has
             # the socket registered with the hub (see _hub_rearm).
-            self._async_claims = self._listening and supported(conn)
+            self._async_claims = self._listening and SUPPORTED
             self._dirty.update(self._callbacks)  # anything may have arrived meanwhile
         if not self._registered:
             self.backend.add_ack_listener(self.poke)
@@ -478,6 +478,7 @@ class Transport(virtual.Transport):
         closed = channel.closed or channel.closing or not channel._consumers
         orphans = [r for r in rows if closed or r.queue not in self._callbacks]
         if orphans:
+            rows = [r for r in rows if not closed and r.queue in self._callbacks]
             # Their consumer went away while the claim was in flight: hand them back unstarted
             # (no attempt counted), and stop renewing them whatever happens.
             pairs = [(r.id, r.claim) for r in orphans]
@@ -485,14 +486,17 @@ class Transport(virtual.Transport):
                 channel.settle(pairs, requeue=True, uncount=True)
             finally:
                 self.backend.forget(pairs)
-            rows = [r for r in rows if r not in orphans]
         return rows
 
     def _finish_inflight(self) -> None:
         """Before any other use of the claim connection: complete the claim in flight and
         deliver what it took."""
-        for row in self._poll_inflight(block=True):
+        self._deliver_rows(self._poll_inflight(block=True))
+
+    def _deliver_rows(self, rows: list[Claimed]) -> int:
+        for row in rows:
             self._deliver(self.to_message(row), row.queue)
+        return len(rows)
 
     def channel_closing(self, channel: Channel) -> None:
         """A claim in flight for a closing channel: wait for it and hand its rows back."""
@@ -567,9 +571,7 @@ class Transport(virtual.Transport):
         delivered = 0
         self._again = False
         if on_hub:
-            for row in self._poll_inflight():
-                self._deliver(self.to_message(row), row.queue)
-                delivered += 1
+            delivered += self._deliver_rows(self._poll_inflight())
             if self._inflight is not None:
                 return delivered  # the claim connection is busy until its result is read
         now = time.monotonic()
@@ -610,13 +612,9 @@ class Transport(virtual.Transport):
                 # task queue cannot starve Celery's remote-control channel.
                 self._next_channel = index + 1
                 return delivered
-            rows = self.claim_for(channel, queues, n)
-            for row in rows:
-                self._deliver(self.to_message(row), row.queue)
-            delivered += len(rows)
-        if acks_due:  # nothing to claim: the acks go alone
+            delivered += self._deliver_rows(self.claim_for(channel, queues, n))
+        if acks_due:  # nothing to claim (and no claim in flight): the acks go alone
             with self._conn_lock:
-                self._finish_inflight()
                 self.backend.flush_acks(self._claim_conn())
         return delivered
 
@@ -682,8 +680,8 @@ class Transport(virtual.Transport):
         fds = [self._wake_r]
         if self._listening and self._conn is not None:
             fds.append(self._conn.fileno())
-        if fds != self._hub_fds or self._conn is not self._hub_conn:
-            # Compared by connection too: a new socket may get a closed one's fd number.
+        if not self._hub_fds or self._conn is not self._hub_conn:
+            # By connection, not fd number: a new socket may get a closed one's number.
             self._hub_conn = self._conn
             for fd in self._hub_fds:
                 hub.remove_reader(fd)
