@@ -190,6 +190,9 @@ class BrokerRun:
         if self.broker.name == "pgjobs":  # what RabbitMQ without publisher confirms promises
             self._phase("publish single, durable_publish=False", lambda: self.publish(
                 "single", "publish_single_nondurable", durable_publish=False))
+            self._phase("publish single, unconfirmed", lambda: self.publish(
+                "single", "publish_single_unconfirmed", durable_publish=False,
+                confirm_publish=False))
         if self._phase("publish single", lambda: self.publish("single", "publish_single")):
             with self.worker("threads") as worker:
                 ok = self._phase("drain threads", lambda: self.drain(worker, "drain_threads"))

@@ -15,6 +15,7 @@ connection) and the registry of held leases that the keeper renews.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import socket
@@ -28,11 +29,12 @@ import psycopg
 from .batching import pending
 from .core import NewJob, Pair, QueueCore
 from .database import connect
-from .errors import MigrationError, PgJobsError
+from .errors import DatabaseUnavailable, MigrationError, PgJobsError, PublishFailed
 from .events import log_event
 from .options import TransportOptions
 from .schema import current_version as schema_version
 from .schema import latest_version, migrate
+from .unconfirmed import Unconfirmed
 
 __all__ = ["Backend", "backend_for", "release_all"]
 
@@ -82,6 +84,12 @@ class Backend:
         self._migrate_lock = threading.Lock()
         self._publish_conn: psycopg.Connection[Any] | None = None
         self._publish_lock = threading.Lock()
+        # confirm_publish=False: the publish connection sending unconfirmed INSERTs, and the
+        # messages a broken one left unconfirmed (sent again on the next connection)
+        self._unconfirmed: Unconfirmed | None = None
+        self._resend: list[NewJob] = []
+        if not options.confirm_publish:
+            atexit.register(self._confirm_before_close)
         # fenced acks waiting to be flushed: (id, claim, monotonic time buffered)
         self._acks: list[tuple[int, int, float]] = []
         self._acks_lock = threading.Lock()
@@ -126,18 +134,16 @@ class Backend:
             self._migrated = True
 
     def publishing(self, fn: Callable[[psycopg.Connection[Any]], Any]) -> Any:
-        """Run ``fn`` on the shared publish connection (autocommit: durable on return)."""
+        """Run ``fn`` on the shared publish connection (autocommit: durable on return), after
+        this process's unconfirmed publishes are confirmed: ``fn`` sees them, in order."""
         with self._publish_lock:
-            conn = self._publish_conn
-            if conn is None or conn.closed:
-                conn = self._publish_conn = self.connect()
-                if not self.options.durable_publish:
-                    conn.execute("SET synchronous_commit = off", prepare=False)
+            conn = self._publish_connection()
             try:
+                if self._unconfirmed is not None:
+                    self._unconfirmed.confirm()
                 return fn(conn)
             except psycopg.OperationalError:
-                conn.close()
-                self._publish_conn = None
+                self._drop_publish_connection()
                 raise
 
     def publish(self, job: NewJob) -> None:
@@ -145,7 +151,64 @@ class Backend:
         if held is not None:  # inside kombu_pgjobs.batch(): inserted when the block exits
             held.append(job)
             return
-        self.publishing(lambda conn: self.core.publish(conn, job))
+        if self.options.confirm_publish:
+            self.publishing(lambda conn: self.core.publish(conn, job))
+            return
+        with self._publish_lock:
+            self._publish_connection()
+            unconfirmed = self._unconfirmed
+            assert unconfirmed is not None
+            try:
+                unconfirmed.send(job)
+            except psycopg.OperationalError:
+                self._drop_publish_connection()  # this message was not taken: kombu retries it
+                raise
+            if unconfirmed.broken:
+                # taken, sent or not: it goes again, first, on the next connection
+                self._drop_publish_connection()
+
+    def confirm_publishes(self, timeout: float | None = None) -> None:
+        """Wait until PostgreSQL confirmed every publish this process sent unconfirmed
+        (``confirm_publish=False``); raise :class:`PublishFailed` if one failed."""
+        with self._publish_lock:
+            self._publish_connection()
+            try:
+                if self._unconfirmed is not None:
+                    self._unconfirmed.confirm(timeout)
+            except psycopg.OperationalError:
+                self._drop_publish_connection()
+                raise
+
+    def _publish_connection(self) -> psycopg.Connection[Any]:
+        """The publish connection (under the publish lock), opened on first use. Publishes a
+        broken connection left unconfirmed are sent again on the new one, first."""
+        conn = self._publish_conn
+        if conn is not None and not conn.closed:
+            return conn
+        conn = self._publish_conn = self.connect()
+        if not self.options.durable_publish:
+            conn.execute("SET synchronous_commit = off", prepare=False)
+        if not self.options.confirm_publish:
+            self._unconfirmed = Unconfirmed(conn, self.core.q["job_insert"],
+                                            prepare=self.options.use_listen_notify)
+            if self._resend:
+                try:
+                    self._unconfirmed.resend(self._resend)
+                except psycopg.OperationalError:
+                    self._unconfirmed = self._publish_conn = None
+                    conn.close()
+                    raise
+                log_event("pgjobs.publish.resent", count=len(self._resend))
+                self._resend = []
+        return conn
+
+    def _drop_publish_connection(self) -> None:
+        conn, self._publish_conn = self._publish_conn, None
+        if self._unconfirmed is not None:
+            self._resend.extend(self._unconfirmed.jobs)
+            self._unconfirmed = None
+        if conn is not None:
+            conn.close()
 
     # -- acks ----------------------------------------------------------------------------
     def buffer_ack(self, job_id: int, claim: int) -> None:
@@ -252,19 +315,41 @@ class Backend:
             self.keeper()
 
     def close(self) -> None:
-        """Flush acks, stop the keeper and close the shared connections."""
+        """Confirm publishes, flush acks, stop the keeper and close the shared connections."""
         with self._keeper_lock:
             keeper, self._keeper = self._keeper, None
         if keeper is not None:
             keeper.stop()
+        self._confirm_before_close()
         with self._publish_lock:
             conn, self._publish_conn = self._publish_conn, None
+            self._unconfirmed = None
         if conn is not None and not conn.closed:
             try:
                 self.flush_acks(conn)
             except psycopg.Error as exc:
                 log.warning("pgjobs.ack.flush_failed %s", exc, extra={"action": "close"})
             conn.close()
+
+    def _confirm_before_close(self) -> None:
+        """Unconfirmed publishes get one more connection if theirs broke; past that, say
+        how many may be lost."""
+        if (self._unconfirmed is None and not self._resend) or self.pid != os.getpid():
+            return  # nothing to confirm, or a forked child: the parent's messages and socket
+        for attempt in (1, 2):
+            try:
+                self.confirm_publishes(self.options.connect_timeout)
+                return
+            except PublishFailed as exc:
+                log.error("%s", exc, extra={"action": "pgjobs.publish.failed"})
+                return
+            except (psycopg.OperationalError, DatabaseUnavailable):
+                if attempt == 2:
+                    with self._publish_lock:
+                        lost = len(self._resend) + (
+                            len(self._unconfirmed.jobs) if self._unconfirmed else 0)
+                        self._resend = []
+                    log_event("pgjobs.publish.lost", logging.ERROR, count=lost)
 
     def keeper(self) -> Keeper:
         with self._keeper_lock:

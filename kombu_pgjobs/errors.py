@@ -34,6 +34,7 @@ __all__ = [
     "MigrationError",
     "NotFound",
     "PgJobsError",
+    "PublishFailed",
     "StateConflict",
     "UnknownQueue",
     "UnknownState",
@@ -91,6 +92,12 @@ class MessageError(PgJobsError):
     """A message could not be published: its properties are invalid."""
 
     code = "PGJ-106"
+
+
+class PublishFailed(PgJobsError):
+    """A publish sent without confirmation (confirm_publish=False) failed in PostgreSQL."""
+
+    code = "PGJ-107"
 
 
 class InvalidLimit(PgJobsError):

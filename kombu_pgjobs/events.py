@@ -32,6 +32,13 @@ EVENTS: dict[str, tuple[str, str]] = {
     "pgjobs.keeper.vacuum": (
         "PGJ-206", "the server runs with autovacuum off and the job table's dead rows piled up: "
         "the keeper vacuumed it (turn autovacuum on; see docs/operations.md)"),
+    "pgjobs.publish.resent": (
+        "PGJ-207", "the publish connection broke with publishes unconfirmed "
+        "(confirm_publish=False): they were sent again on a new connection (one whose commit "
+        "had reached the server is queued twice)"),
+    "pgjobs.publish.lost": (
+        "PGJ-208", "publishes sent with confirm_publish=False could be neither confirmed nor "
+        "sent again before the connection closed: they may not be queued"),
     "pgjobs.limit.woken": (
         "PGJ-305", "a message parked on a concurrency key with no running holder was woken "
         "by the keeper's safety net"),

@@ -65,6 +65,11 @@ OPTIONS: tuple[Option, ...] = (
                "connection uses synchronous_commit=off — the row is committed and visible at "
                "once, but a PostgreSQL crash can lose the last ~0.6 s of publishes (like "
                "RabbitMQ without publisher confirms)."),
+    Option("confirm_publish", True, bool,
+           doc="A publish returns after PostgreSQL confirmed its commit. Off: it returns once "
+               "sent (libpq pipeline mode, each message still its own transaction) and is "
+               "confirmed later, as RabbitMQ publishes without publisher confirms; a process "
+               "killed right after can lose its last publishes."),
     Option("event_loop", True, bool,
            doc="Join Celery's event loop (asynloop, AsynPool for prefork) with fd readers. Off: "
                "Celery polls drain_events in its synchronous loop."),
@@ -89,7 +94,7 @@ OPTIONS: tuple[Option, ...] = (
 #: kombu reads these itself (connection retry, body encoding); pgjobs passes them through.
 PASSTHROUGH_OPTIONS = frozenset({
     "max_retries", "interval_start", "interval_step", "interval_max", "connect_retries_timeout",
-    "body_encoding", "deadletter_queue", "confirm_publish", "client_properties",
+    "body_encoding", "deadletter_queue", "client_properties",
 })
 
 #: Options of other brokers, with what they mean on pgjobs. Accepted with a warning.
@@ -170,6 +175,7 @@ class TransportOptions:
     idle_poll_interval: float = 60.0
     use_listen_notify: bool = True
     durable_publish: bool = True
+    confirm_publish: bool = True
     event_loop: bool = True
     auto_migrate: bool = True
     max_claim: int = 100
