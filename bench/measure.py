@@ -1,6 +1,8 @@
 """One run of every figure for one broker.
 
 Order within a run (one broker at a time, so brokers never compete for the 2 cores):
+  0. pgjobs only: the same publish with durable_publish=False, then also with
+     confirm_publish=False                     -> publish_single_nondurable, _unconfirmed
   1. purge, publish N with ``task.delay()`` (timed)       -> publish_single
   2. threads worker: drain those N (timed from ready)     -> drain_threads
   3. same worker, now idle: sequential latency samples    -> latency_p50/p95
