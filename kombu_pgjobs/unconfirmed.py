@@ -151,10 +151,15 @@ class Unconfirmed:
         if not self.jobs:
             return
         pg.consume_input()
+        ended = False
         while self.jobs and not pg.is_busy():
             result = pg.get_result()
             if result is None:  # the end of one statement's results
+                if ended or pg.status == pq.ConnStatus.BAD:  # nothing more will come
+                    raise psycopg.OperationalError("the publish connection is broken")
+                ended = True
                 continue
+            ended = False
             if result.status == _SYNC:  # the end of one message's transaction
                 self.jobs.popleft()
                 if self._head_error is not None:
