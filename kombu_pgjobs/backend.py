@@ -83,7 +83,7 @@ class Backend:
         self._migrated = False
         self._migrate_lock = threading.Lock()
         self._publish_conn: psycopg.Connection[Any] | None = None
-        self._publish_lock = threading.Lock()
+        self._publish_lock = threading.RLock()  # close() confirms under its own hold
         # confirm_publish=False: the publish connection sending unconfirmed INSERTs, and the
         # messages a broken one left unconfirmed (sent again on the next connection)
         self._unconfirmed: Unconfirmed | None = None
@@ -140,7 +140,8 @@ class Backend:
             conn = self._publish_connection()
             try:
                 if self._unconfirmed is not None:
-                    self._unconfirmed.confirm()
+                    # an earlier publish's failure is raised at the next publish, not here
+                    self._unconfirmed.confirm(raise_failed=False)
                 return fn(conn)
             except psycopg.OperationalError:
                 self._drop_publish_connection()
@@ -169,15 +170,19 @@ class Backend:
 
     def confirm_publishes(self, timeout: float | None = None) -> None:
         """Wait until PostgreSQL confirmed every publish this process sent unconfirmed
-        (``confirm_publish=False``); raise :class:`PublishFailed` if one failed."""
+        (``confirm_publish=False``); raise :class:`PublishFailed` if one failed. A connection
+        found broken is replaced once, its unconfirmed messages sent again on the new one."""
         with self._publish_lock:
-            self._publish_connection()
-            try:
-                if self._unconfirmed is not None:
-                    self._unconfirmed.confirm(timeout)
-            except psycopg.OperationalError:
-                self._drop_publish_connection()
-                raise
+            for attempt in (1, 2):
+                self._publish_connection()
+                try:
+                    if self._unconfirmed is not None:
+                        self._unconfirmed.confirm(timeout)
+                    return
+                except psycopg.OperationalError:
+                    self._drop_publish_connection()
+                    if attempt == 2:
+                        raise
 
     def _publish_connection(self) -> psycopg.Connection[Any]:
         """The publish connection (under the publish lock), opened on first use. Publishes a
@@ -185,6 +190,9 @@ class Backend:
         conn = self._publish_conn
         if conn is not None and not conn.closed:
             return conn
+        if self.pid != os.getpid():
+            raise PgJobsError("a forked process used its parent's pgjobs backend")
+        self._drop_publish_connection()  # a closed one's unconfirmed messages go again
         conn = self._publish_conn = self.connect()
         if not self.options.durable_publish:
             conn.execute("SET synchronous_commit = off", prepare=False)
@@ -198,7 +206,8 @@ class Backend:
                     self._unconfirmed = self._publish_conn = None
                     conn.close()
                     raise
-                log_event("pgjobs.publish.resent", count=len(self._resend))
+                if not self._unconfirmed.broken:
+                    log_event("pgjobs.publish.resent", count=len(self._resend))
                 self._resend = []
         return conn
 
@@ -206,6 +215,9 @@ class Backend:
         conn, self._publish_conn = self._publish_conn, None
         if self._unconfirmed is not None:
             self._resend.extend(self._unconfirmed.jobs)
+            for error in self._unconfirmed.take_failed():  # nobody is left to raise them
+                log.error("[%s] a publish failed and was not queued: %s", PublishFailed.code,
+                          error, extra={"action": "pgjobs.publish.failed"})
             self._unconfirmed = None
         if conn is not None:
             conn.close()
@@ -320,16 +332,18 @@ class Backend:
             keeper, self._keeper = self._keeper, None
         if keeper is not None:
             keeper.stop()
-        self._confirm_before_close()
-        with self._publish_lock:
+        with self._publish_lock:  # one hold: no publish slips in between
+            self._confirm_before_close()
             conn, self._publish_conn = self._publish_conn, None
             self._unconfirmed = None
-        if conn is not None and not conn.closed:
-            try:
-                self.flush_acks(conn)
-            except psycopg.Error as exc:
-                log.warning("pgjobs.ack.flush_failed %s", exc, extra={"action": "close"})
-            conn.close()
+            if conn is not None and not conn.closed:
+                if conn.pgconn.pipeline_status == psycopg.pq.PipelineStatus.OFF:
+                    try:
+                        self.flush_acks(conn)
+                    except psycopg.Error as exc:
+                        log.warning("pgjobs.ack.flush_failed %s", exc,
+                                    extra={"action": "close"})
+                conn.close()
 
     def _confirm_before_close(self) -> None:
         """Unconfirmed publishes get one more connection if theirs broke; past that, say
@@ -342,6 +356,13 @@ class Backend:
                 return
             except PublishFailed as exc:
                 log.error("%s", exc, extra={"action": "pgjobs.publish.failed"})
+                return
+            except TimeoutError:  # the server may still commit them: never sent again
+                with self._publish_lock:
+                    lost = len(self._unconfirmed.jobs) if self._unconfirmed else 0
+                    self._unconfirmed = None
+                    self._resend = []
+                log_event("pgjobs.publish.lost", logging.ERROR, count=lost)
                 return
             except (psycopg.OperationalError, DatabaseUnavailable):
                 if attempt == 2:

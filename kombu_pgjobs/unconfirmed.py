@@ -60,6 +60,14 @@ def positional(query: bytes) -> tuple[bytes, list[str]]:
     return re.sub(rb"%\((\w+)\)s", number, query), names
 
 
+def _wait(fd: int, events: int, timeout: float | None) -> int:
+    """poll() one socket (select() fails on descriptors past 1024); the events that came."""
+    poller = select.poll()
+    poller.register(fd, events)
+    ready = poller.poll(None if timeout is None else timeout * 1000)
+    return ready[0][1] if ready else 0
+
+
 def _text(value: Any) -> bytes | None:
     if value is None:
         return None
@@ -122,16 +130,26 @@ class Unconfirmed:
         pg.enter_pipeline_mode()
 
     def _take(self, job: NewJob) -> None:
-        self.jobs.append(job)
+        params = [_text(getattr(job, n)) for n in self.names]  # raises before anything is sent
         if self.broken:
+            self.jobs.append(job)
             return
-        params = [_text(getattr(job, n)) for n in self.names]
         try:
             if self.prepare:
                 self.pg.send_query_prepared(_NAME, params)
             else:
                 self.pg.send_query_params(self.query, params, self.types)
             self.pg.pipeline_sync()
+        except BaseException as exc:
+            # libpq may hold half a message: this connection's results can no longer be
+            # matched to messages, so it is done; the message goes again on the next one.
+            self.broken = True
+            self.jobs.append(job)
+            if not isinstance(exc, psycopg.OperationalError):
+                raise
+            return
+        self.jobs.append(job)
+        try:
             self._write()
         except psycopg.OperationalError:
             self.broken = True
@@ -140,8 +158,8 @@ class Unconfirmed:
         """Write libpq's buffer out, reading results while the socket is full (the server
         stops reading when nobody reads its results)."""
         while self.pg.flush():
-            readable, _, _ = select.select([self.pg.socket], [self.pg.socket], [])
-            if readable:
+            if _wait(self.pg.socket, select.POLLIN | select.POLLOUT, None) & select.POLLIN:
+                self.pg.consume_input()
                 self.read()
 
     # -- confirmations -------------------------------------------------------------------
@@ -168,23 +186,31 @@ class Unconfirmed:
             elif result.status != _OK:
                 self._head_error = (result.error_message or b"").decode(errors="replace")
 
-    def confirm(self, timeout: float | None = None) -> None:
+    def confirm(self, timeout: float | None = None, *, raise_failed: bool = True) -> None:
         """Wait until every message sent is confirmed, then leave pipeline mode (the
-        connection can run ordinary statements). Raise :class:`PublishFailed` if one failed."""
+        connection can run ordinary statements). Raise :class:`PublishFailed` if one failed
+        (``raise_failed=False``: keep it for the next publish)."""
         if self.broken:
             raise psycopg.OperationalError("the publish connection is broken")
         self._write()
         deadline = None if timeout is None else time.monotonic() + timeout
         while self.jobs:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            readable, _, _ = select.select([self.pg.socket], [], [], left)
-            if not readable:
-                raise psycopg.OperationalError(
+            if not _wait(self.pg.socket, select.POLLIN, left):
+                # Not a broken connection: the server may still commit them, so they must not
+                # be sent again.
+                raise TimeoutError(
                     f"{len(self.jobs)} unconfirmed publishes got no answer in {timeout} s")
             self.read()
         if self.pg.pipeline_status != pq.PipelineStatus.OFF:
             self.pg.exit_pipeline_mode()
-        self._raise_failed()
+        if raise_failed:
+            self._raise_failed()
+
+    def take_failed(self) -> list[str]:
+        """Failures not raised yet (for the owner to report when it drops the connection)."""
+        failed, self._failed = self._failed, []
+        return failed
 
     def _raise_failed(self, then: str = "") -> None:
         if self._failed:
@@ -199,7 +225,7 @@ class Unconfirmed:
         last = None
         while True:
             while pg.is_busy():
-                select.select([pg.socket], [], [])
+                _wait(pg.socket, select.POLLIN, None)
                 pg.consume_input()
             result = pg.get_result()
             if result is None:
