@@ -68,14 +68,14 @@ def _wait(fd: int, events: int, timeout: float | None) -> int:
     return ready[0][1] if ready else 0
 
 
-def _text(value: Any) -> bytes | None:
+def _text(value: Any, encoding: str) -> bytes | None:
     if value is None:
         return None
     if isinstance(value, datetime):
         return value.isoformat().encode()
     if isinstance(value, float):
         return repr(value).encode()
-    return str(value).encode()
+    return str(value).encode(encoding)
 
 
 class Unconfirmed:
@@ -87,6 +87,7 @@ class Unconfirmed:
     def __init__(self, conn: psycopg.Connection[Any], insert: sql.Composed, *,
                  prepare: bool = True) -> None:
         self.pg = conn.pgconn
+        self.encoding = conn.info.encoding  # the connection's client_encoding, as Python names it
         self.query, self.names = positional(insert.as_bytes(conn))
         self.types = [_OIDS.get(n, 0) for n in self.names]
         self.prepare = prepare
@@ -130,7 +131,8 @@ class Unconfirmed:
         pg.enter_pipeline_mode()
 
     def _take(self, job: NewJob) -> None:
-        params = [_text(getattr(job, n)) for n in self.names]  # raises before anything is sent
+        # raises (an unencodable name) before anything is sent
+        params = [_text(getattr(job, n), self.encoding) for n in self.names]
         if self.broken:
             self.jobs.append(job)
             return
