@@ -152,6 +152,107 @@ def test_flood_of_one_key_does_not_block_other_keys(db, schema):
     assert waiting >= 9_000, "the flood was parked, not scanned again and again"
 
 
+# -- a key whose messages disagree on its cap (a deploy changed concurrency_per_key) ----------
+
+def _slot_invariant(db: psycopg.Connection[Any], schema: str) -> dict[str, int]:
+    """Held slots per key, after checking the slot table's invariant: every held slot is below
+    the cap its holder was admitted under, and its holder is running under that claim."""
+    rows = db.execute(f"""
+        SELECT sl.limit_key, sl.slot, sl.cap, j.state, j.claim = sl.claim
+          FROM "{schema}".pgjobs_slot AS sl
+          LEFT JOIN "{schema}".pgjobs_job AS j ON j.id = sl.job_id
+         WHERE sl.job_id IS NOT NULL""").fetchall()
+    held: dict[str, int] = {}
+    for key, slot, cap, state, same_claim in rows:
+        assert slot < cap, f"slot {slot} of {key} held under cap {cap}"
+        assert state == "running" and same_claim, f"slot {slot} of {key} held by a non-holder"
+        held[key] = held.get(key, 0) + 1
+    return held
+
+
+def _drain_mixed(core: QueueCore, db: psycopg.Connection[Any], schema: str, n: int,
+                 window: int) -> tuple[list[str], int]:
+    """Claim and ack until every message ran; return bodies in claim order and the most
+    slots of key k held at once."""
+    ran: list[str] = []
+    most = 0
+    for _ in range(200):
+        got = core.claim(db, ["q"], window)
+        most = max(most, _slot_invariant(db, schema).get("k", 0))
+        ran += [json.loads(c.message)["body"] for c in got.claimed]
+        if got.claimed:
+            core.ack(db, [(c.id, c.claim) for c in got.claimed])
+        if len(ran) == n:
+            break
+    return ran, most
+
+
+@pytest.mark.parametrize("window", [1, 4, 12])
+def test_old_and_new_caps_of_one_key_never_wedge_the_claim(db, schema, window):
+    # Before version 5 the first claim failed: the old message's flood parked a new-cap
+    # candidate that the same claim then admitted (TriggeredDataChangeViolation), and so did
+    # every claim after it.
+    core = _core(db, schema)
+    bodies = [(f"old{i}", _keyed("k", 1)) for i in range(4)]
+    bodies += [(f"new{i}", _keyed("k", 3)) for i in range(6)]
+    bodies += [(f"old{i}", _keyed("k", 1)) for i in range(4, 6)]
+    _publish(core, db, [*bodies, ("free", None)])
+    ran, most = _drain_mixed(core, db, schema, len(bodies) + 1, window)
+    assert sorted(ran) == sorted([*(b for b, _ in bodies), "free"]), ran
+    assert len(ran) == len(set(ran)), "every message claimed once"
+    assert most <= 3, "never more holders than the larger cap"
+    assert _states(db, schema) == {}
+
+
+def test_a_larger_cap_is_used_while_old_messages_of_the_key_wait(db, schema):
+    core = _core(db, schema)
+    _publish(core, db, [(f"old{i}", _keyed("k", 1)) for i in range(3)]
+             + [(f"new{i}", _keyed("k", 3)) for i in range(4)])
+    first = core.claim(db, ["q"], 2)  # old0 admitted; old1 full under cap 1: parks its flood
+    assert [json.loads(c.message)["body"] for c in first.claimed] == ["old0"]
+    waiting = db.execute(f"SELECT message::json ->> 'body' FROM \"{schema}\".pgjobs_job "
+                         "WHERE state = 'waiting' ORDER BY id").fetchall()
+    assert [w[0] for w in waiting] == ["old1", "old2"], "the flood parks only cap-1 rows"
+    second = core.claim(db, ["q"], 4)
+    assert [json.loads(c.message)["body"] for c in second.claimed] == ["new0", "new1"]
+    assert _slot_invariant(db, schema) == {"k": 3}, "the new cap of 3 is used at once"
+
+
+def test_the_previous_release_claim_statement_gets_the_cap_rule_too(db, schema):
+    """A rolling deploy: a process of the previous release claims with pgjobs_admit_v1 against
+    the migrated schema (v1 is now a wrapper of v2 without the candidate list)."""
+    from psycopg import sql as psql
+
+    from kombu_pgjobs.sql import raw_queries
+
+    core = _core(db, schema)
+    text = raw_queries()["job_claim"]
+    start = text.index("{schema}.pgjobs_admit_v2(")
+    end = text.index("END AS v", start)
+    old = text[:start] + ("{schema}.pgjobs_admit_v1(c.id, c.claim + 1, c.queue, c.limits, "
+                          "%(channel)s, %(worker)s)\n                 ") + text[end:]
+    query = psql.SQL(old).format(schema=psql.Identifier(schema), limit=psql.Literal(4))
+    _publish(core, db, [("old0", _keyed("k", 1)), ("old1", _keyed("k", 1)),
+                        ("new0", _keyed("k", 3)), ("new1", _keyed("k", 3))])
+    _, params = core.claim_statement(["q"], 4)
+    got = core.claim_result(db.execute(query, params).fetchall())
+    assert [json.loads(c.message)["body"] for c in got.claimed] == ["old0", "new0", "new1"]
+    assert _slot_invariant(db, schema) == {"k": 3}
+
+
+def test_a_claim_whose_acks_wake_parked_rows_is_not_drained(db, schema):
+    """The release in a claim wakes rows its own snapshot cannot see: saying 'drained' would
+    leave them for a notification or the next poll instead of the next claim."""
+    core = _core(db, schema)
+    _publish(core, db, [("a", _keyed("k", 1)), ("b", _keyed("k", 1))])
+    (a,) = core.claim(db, ["q"], 2).claimed
+    result = core.claim(db, ["q"], 2, [(a.id, a.claim)])
+    assert result.acked == {a.id} and result.claimed == []
+    assert not result.drained, "b was woken: claim again"
+    assert [json.loads(c.message)["body"] for c in core.claim(db, ["q"], 2).claimed] == ["b"]
+    assert core.claim(db, ["q"], 2).drained
+
+
 def test_when_busy_fail_refuses_into_dead_letters_with_code(db, schema):
     core = _core(db, schema)
     _publish(core, db, [("first", _keyed("k", 1, when_busy="fail")),

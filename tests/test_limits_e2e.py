@@ -157,3 +157,37 @@ def test_when_busy_fail_settles_refused_without_running(db, spans, url, start_wo
     assert row[0] == "refused" and row[1]["code"] == "PGJ-302"
     wait_for(lambda: _done(db, schema, "holder") == 1, 30, what="holder end")
     assert "refused" not in _runs_per_label(db, schema), "its body never ran"
+
+
+def test_a_deploy_that_raises_a_cap_never_stops_the_key(db, spans, url, start_worker):
+    """Messages published before a deploy (concurrency_per_key=1) and after it (3) share a key:
+    all of them run, once each, and the key never runs more than the larger cap at once.
+    Before schema version 5 the first claim that met both failed (TriggeredDataChangeViolation)
+    and so did every claim after it: the worker reconnected in a loop and ran nothing."""
+    schema = spans
+    old = _app(schema, url, PGJOBS_TEST_PER_KEY="1")
+    with kombu_pgjobs.batch():
+        for i in range(8):
+            old.keyed.delay(f"old{i}", "acct", 0.2)
+    new = _app(schema, url, PGJOBS_TEST_PER_KEY="3")
+    with kombu_pgjobs.batch():
+        for i in range(16):
+            new.keyed.delay(f"new{i}", "acct", 0.2)
+    old = _app(schema, url, PGJOBS_TEST_PER_KEY="1")  # a worker of the old release publishes
+    with kombu_pgjobs.batch():
+        for i in range(8, 12):
+            old.keyed.delay(f"old{i}", "acct", 0.2)
+    headers = db.execute(
+        f"SELECT DISTINCT (limits -> 'concurrency' -> 0 ->> 'limit')::int "
+        f'FROM "{schema}".pgjobs_job ORDER BY 1').fetchall()
+    assert [h[0] for h in headers] == [1, 3], "old and new caps side by side"
+    w = start_worker(name="w", app=APP, concurrency=8, env={"PGJOBS_TEST_PER_KEY": "3"})
+    wait_for(lambda: _done(db, schema) >= 28, 90, interval=0.5, what="28 runs of one key")
+    time.sleep(0.5)  # a duplicate would show up now
+    runs = _runs_per_label(db, schema)
+    assert len(runs) == 28 and set(runs.values()) == {1}, "every task ran exactly once"
+    overlap = _max_overlap(db, schema)["acct"]
+    assert 2 <= overlap <= 3, f"{overlap} ran at once under caps 1 and 3"
+    left = db.execute(f'SELECT count(*) FROM "{schema}".pgjobs_job').fetchone()[0]
+    assert left == 0, "nothing left behind"
+    assert "TriggeredDataChangeViolation" not in w.output()

@@ -45,11 +45,15 @@ SELECT b.queue, %(priority)s, coalesce(%(run_at)s, now()),
 -- Returns kind 'c' rows (claimed: id, claim, queue, message), kind 'a' rows (acks that hit
 -- their fence), kind 'u' rows (acks left held: their key's lock was busy), kind 'h' rows (held
 -- back by a limit: id, on_key and, as message, the verdict: parked, refused, later or busy),
--- and, when fewer than %(n)s were claimed and none was held back, one kind 'n' row whose due_in
--- is the number of seconds until a delayed message of these queues is due (NULL if none).
--- Limits: a candidate with limits is admitted by pgjobs_admit_v1, which takes its slots, or
+-- and, when fewer than %(n)s were claimed, none was held back and the acks' releases woke no
+-- parked row, one kind 'n' row whose due_in is the number of seconds until a delayed message
+-- of these queues is due (NULL if none).
+-- Limits: a candidate with limits is admitted by pgjobs_admit_v2, which takes its slots, or
 -- parks it ('waiting'), refuses it into the dead letters (when_busy 'fail') or defers it to its
--- rate's next window itself; none of these counts an attempt. An acked row that holds slots
+-- rate's next window itself; none of these counts an attempt. It is given every candidate's
+-- id: parking a flood of a full key never touches a candidate (the claim's UPDATE must find
+-- the rows it admits unchanged), and parks only rows the key is full for under their own cap
+-- (a deploy that changed a cap leaves old and new messages of one key side by side). An acked row that holds slots
 -- (limit_key set: the row says so, the caller need not know) has them released first, before
 -- any candidate is admitted, so a candidate sees them free. A claim (%(n)s > 0) never waits
 -- for a key's lock: the acks of a busy key are left held and returned as 'u' rows, for the
@@ -106,10 +110,13 @@ WITH given AS (
      LIMIT {limit}
 ), admitted AS MATERIALIZED (
     -- In claim order; rows without limits never call the function. A held-back row was
-    -- parked, deferred or refused by the function itself (see 0003_limits.sql).
+    -- parked, deferred or refused by the function itself (see 0003_limits.sql and
+    -- 0005_admit_mixed_caps.sql).
     SELECT c.id, CASE WHEN c.limits IS NOT NULL
-                      THEN {schema}.pgjobs_admit_v1(c.id, c.claim + 1, c.queue, c.limits,
-                                                    %(channel)s, %(worker)s)
+                      THEN {schema}.pgjobs_admit_v2(c.id, c.claim + 1, c.queue, c.limits,
+                                                    %(channel)s, %(worker)s,
+                                                    (SELECT array_agg(o.id)
+                                                       FROM candidates AS o))
                  END AS v
       FROM candidates AS c
      ORDER BY c.priority DESC, c.run_at, c.id
@@ -144,7 +151,15 @@ SELECT 'n', NULL, NULL, NULL, NULL,
          WHERE j.queue = ANY(%(queues)s::text[]) AND j.state = 'ready' AND j.run_at > now()),
        NULL
  WHERE (SELECT count(*) FROM claimed) < %(n)s
-   AND NOT EXISTS (SELECT 1 FROM admitted AS a WHERE (a.v).verdict <> 'ok');
+   AND NOT EXISTS (SELECT 1 FROM admitted AS a WHERE (a.v).verdict <> 'ok')
+   -- The acks' release woke rows parked on their keys, which this statement's snapshot
+   -- cannot see: the queues are not drained (the caller claims again and takes them).
+   AND NOT EXISTS (SELECT 1
+                     FROM given AS g
+                     JOIN released AS r ON r.id = g.id AND r.claim = g.claim
+                    CROSS JOIN LATERAL jsonb_array_elements(g.caps) AS e
+                     JOIN {schema}.pgjobs_job AS w
+                       ON w.state = 'waiting' AND w.waiting_on = e.value ->> 'key');
 
 -- name: job_requeue :many
 -- Fenced requeue (basic_reject requeue=True, warm-shutdown restore). When %(uncount)s, the
