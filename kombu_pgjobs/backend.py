@@ -195,9 +195,12 @@ class Backend:
         self._drop_publish_connection()  # a closed one's unconfirmed messages go again
         conn = self._publish_conn = self.connect()
         if not self.options.durable_publish:
-            conn.execute("SET synchronous_commit = off", prepare=False)
+            # per publish transaction, never a session SET (it would leak behind PgBouncer)
+            self.core.commit_async(conn)
         if not self.options.confirm_publish:
-            self._unconfirmed = Unconfirmed(conn, self.core.q["job_insert"],
+            insert = self.core.insert_query("job_insert",
+                                            durable=self.options.durable_publish)
+            self._unconfirmed = Unconfirmed(conn, insert,
                                             prepare=self.options.use_listen_notify)
             if self._resend:
                 try:

@@ -12,9 +12,13 @@ import json
 import math
 import os
 import socket
+import threading
+import time
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from functools import cache
 from typing import Any, NewType
 
 import psycopg
@@ -26,7 +30,7 @@ from .events import log_event
 from .limits import LIMITS_HEADER
 from .limits import normalise as normalise_limits
 from .options import validate_queue_name, validate_schema_name
-from .sql import queries, with_limit
+from .sql import queries, raw_queries, with_limit
 
 __all__ = [
     "MAX_ATTEMPTS_HEADER",
@@ -157,6 +161,61 @@ def _pairs(pairs: Iterable[Pair]) -> tuple[list[int], list[int]]:
     return ids, claims
 
 
+#: Connections whose publishes commit asynchronously (QueueCore.commit_async).
+_ASYNC_COMMIT: weakref.WeakSet[psycopg.Connection[Any]] = weakref.WeakSet()
+#: Joined into a publish statement: synchronous_commit off for that statement's transaction.
+#: A subquery whose output is volatile is neither pulled up nor pruned, so it always runs.
+_ASYNC_JOIN = ("CROSS JOIN (SELECT set_config('synchronous_commit', 'off', true)) "
+               "AS async_commit\n  ")
+_ASYNC_ANCHOR = "LEFT JOIN {schema}.pgjobs_queue AS q"
+
+
+@cache
+def _async_insert(schema: str, name: str) -> sql.Composed:
+    """Publish statement ``name`` with :data:`_ASYNC_JOIN` joined in (cached per schema)."""
+    text = raw_queries()[name]
+    if text.count(_ASYNC_ANCHOR) != 1:  # the statement changed shape: say so, never publish
+        raise RuntimeError(f"{name}: cannot place the per-transaction synchronous_commit")
+    return sql.SQL(text.replace(_ASYNC_ANCHOR, _ASYNC_JOIN + _ASYNC_ANCHOR)).format(
+        schema=sql.Identifier(schema))  # type: ignore[arg-type]
+
+
+class _Watchdog:
+    """Cancels the statement ``conn`` runs once ``timeout`` seconds have passed, and again
+    every quarter second until the block ends (a cancel that reached the server between two
+    statements is ignored there). Never after the block: the lock orders the last cancel
+    before the next statement is sent."""
+
+    def __init__(self, conn: psycopg.Connection[Any], timeout: float) -> None:
+        self.conn = conn
+        self.timeout = timeout
+        self.done = threading.Event()
+        self.lock = threading.Lock()
+        self.thread = threading.Thread(target=self._run, name="pgjobs-vacuum-watchdog",
+                                       daemon=True)
+
+    def _run(self) -> None:
+        wait = self.timeout
+        while not self.done.wait(wait):
+            with self.lock:
+                if self.done.is_set():
+                    return
+                try:
+                    self.conn.cancel_safe(timeout=5.0)
+                except (psycopg.Error, OSError):
+                    return  # the connection is gone: its statement ends anyway
+            wait = 0.25
+
+    def __enter__(self) -> _Watchdog:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with self.lock:
+            self.done.set()
+        self.thread.join(10)
+
+
 class QueueCore:
     """Statements on the job tables of one schema."""
 
@@ -171,9 +230,28 @@ class QueueCore:
         self.q = queries(schema)
 
     # -- publish -------------------------------------------------------------------------
+    def commit_async(self, conn: psycopg.Connection) -> None:
+        """From now on the publishes on ``conn`` commit asynchronously (``durable_publish=False``).
+
+        Each publish statement sets ``synchronous_commit = off`` for its own transaction
+        (``set_config(..., true)``: Postgres applies the setting in effect at commit), never
+        for the session: behind PgBouncer in transaction pooling a session ``SET`` stays on
+        whichever server connection ran it, for every client that gets it next. Other
+        statements on ``conn`` (declares, purges) stay durable."""
+        _ASYNC_COMMIT.add(conn)
+
+    def insert_query(self, name: str, *, durable: bool = True) -> sql.Composed:
+        """Publish statement ``name`` (job_insert, job_insert_many, job_insert_fanout), as
+        :meth:`commit_async` runs it when not ``durable``."""
+        return self.q[name] if durable else _async_insert(self.schema, name)
+
+    def _insert(self, conn: psycopg.Connection, name: str) -> sql.Composed:
+        return self.insert_query(name, durable=conn not in _ASYNC_COMMIT)
+
     def publish(self, conn: psycopg.Connection, job: NewJob) -> None:
-        """Insert one message (one round trip). Durable when ``conn`` commits."""
-        conn.execute(self.q["job_insert"], {
+        """Insert one message (one round trip). Durable when ``conn`` commits (unless
+        :meth:`commit_async` was called for ``conn``)."""
+        conn.execute(self._insert(conn, "job_insert"), {
             "queue": job.queue, "priority": job.priority, "run_at": job.run_at,
             "ttl_ms": job.ttl_ms, "max_attempts": job.max_attempts, "task": job.task,
             "limits": job.limits, "message": job.message,
@@ -183,7 +261,7 @@ class QueueCore:
         """Insert many messages in one statement: the batch path."""
         if not jobs:
             return 0
-        conn.execute(self.q["job_insert_many"], {
+        conn.execute(self._insert(conn, "job_insert_many"), {
             "queue": [j.queue for j in jobs],
             "priority": [j.priority for j in jobs],
             "run_at": [j.run_at for j in jobs],
@@ -197,7 +275,7 @@ class QueueCore:
 
     def publish_fanout(self, conn: psycopg.Connection, exchange: str, job: NewJob) -> None:
         """Insert one copy of a message per queue bound to a fanout exchange."""
-        conn.execute(self.q["job_insert_fanout"], {
+        conn.execute(self._insert(conn, "job_insert_fanout"), {
             "exchange": exchange, "priority": job.priority, "run_at": job.run_at,
             "ttl_ms": job.ttl_ms, "max_attempts": job.max_attempts, "task": job.task,
             "limits": job.limits, "message": job.message,
@@ -261,18 +339,28 @@ class QueueCore:
         says dead rows piled up. Index cleanup always (a claim steps over every dead entry at
         the head of the claim index until a vacuum removes it); no truncation (its exclusive
         lock would stall claims, and a queue table grows back). Skips a table another vacuum
-        holds. ``timeout``: seconds after which Postgres cancels it (QueryCanceled)."""
-        if timeout is not None:
-            conn.execute(f"SET statement_timeout = {max(1, int(timeout * 1000))}",
-                         prepare=False)
-        try:
-            for table in ("pgjobs_job", "pgjobs_slot"):
-                conn.execute(sql.SQL(
-                    "VACUUM (SKIP_LOCKED, INDEX_CLEANUP ON, TRUNCATE false) {}.{}").format(
-                    sql.Identifier(self.schema), sql.Identifier(table)), prepare=False)
-        finally:
-            if timeout is not None and not conn.closed:
-                conn.execute("RESET statement_timeout", prepare=False)
+        holds. ``timeout``: seconds after which it is cancelled (QueryCanceled).
+
+        The timeout is a cancel request from a watchdog thread, not ``SET statement_timeout``:
+        VACUUM cannot run in a transaction block (so no ``SET LOCAL``) nor in a multi-statement
+        string, and a session setting leaks behind PgBouncer in transaction pooling (the next
+        client of that server connection inherits it; the ``RESET`` may even run on another
+        server). PgBouncer forwards a cancel to the server running this client's statement."""
+        statements = [sql.SQL(
+            "VACUUM (SKIP_LOCKED, INDEX_CLEANUP ON, TRUNCATE false) {}.{}").format(
+            sql.Identifier(self.schema), sql.Identifier(table))
+            for table in ("pgjobs_job", "pgjobs_slot")]
+        if timeout is None:
+            for statement in statements:
+                conn.execute(statement, prepare=False)
+            return
+        deadline = time.monotonic() + timeout
+        with _Watchdog(conn, timeout):
+            for statement in statements:
+                if time.monotonic() >= deadline:
+                    raise psycopg.errors.QueryCanceled(
+                        f"vacuum cancelled after {timeout:g}s (its timeout)")
+                conn.execute(statement, prepare=False)
 
     def release_orphans(self, conn: psycopg.Connection, *, limit: int = 1000) -> int:
         """Free slots whose holder is gone and wake rows parked on them (the keeper, when
