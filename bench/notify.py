@@ -1,0 +1,264 @@
+"""What the NOTIFY on every publish costs: publish throughput, and transactions per message.
+
+    python -m bench.notify [--threads 8] [--seconds 5] [--runs 3]
+                           [--consumers 1,6] [--messages 200] [--gap 0.02]
+
+The insert trigger (``pgjobs_notify_v1``, schema/0001) sends one NOTIFY per publishing
+statement. Two costs are measured, each in the database ``bench_notify`` of the server of
+$BENCH_PG_ADMIN_DSN (created when missing; nothing else uses it, so its counters are ours):
+
+(a) **Publish throughput**: ``--threads`` threads publish through kombu for ``--seconds``
+    each, every thread on its own publish connection (a backend per thread: distinct
+    ``application_name``), with the trigger enabled and then disabled on the job table,
+    alternating, ``--runs`` times. PostgreSQL serialises the commits of every transaction
+    that notified (a lock held from pre-commit to the end of commit, across the cluster), so
+    with the trigger concurrent publishers commit one at a time. Messages/s, median of runs.
+
+(b) **Transactions per message**: ``N`` idle kombu consumers (LISTEN, the default), each on
+    its own connection, consume one queue; ``--messages`` messages are published one at a
+    time, ``--gap`` seconds apart, so every message finds the consumers idle (the common case
+    for a lightly loaded queue). Each NOTIFY wakes every consumer; all claim, one gets the
+    message. ``xact_commit + xact_rollback`` of the database is read before and after, once
+    with publishes and once idle for the same time (same consumers, same start and stop), and
+    the difference divided by the messages. The counters are read only after every connection
+    of the phase closed (a backend reports them when it exits).
+
+Nothing here is a test: figures depend on the machine; see docs/benchmarks.md for recorded
+runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import threading
+import time
+from typing import Any
+from urllib.parse import urlsplit
+
+import kombu
+import psycopg
+
+from bench.brokers import PG_ADMIN_DSN, pg_dsn
+from kombu_pgjobs.backend import release_all
+from kombu_pgjobs.schema import migrate
+
+DATABASE = "bench_notify"
+SCHEMA = "bench_notify"
+QUEUE = "bn"
+
+
+def _url() -> str:
+    parts = urlsplit(pg_dsn(DATABASE))
+    return parts._replace(scheme="pgjobs").geturl()
+
+
+def _setup(trigger: bool) -> None:
+    """A fresh schema; the notify trigger on or off; autovacuum off (its transactions would
+    count in (b))."""
+    with psycopg.connect(PG_ADMIN_DSN, autocommit=True) as admin:
+        if admin.execute("SELECT 1 FROM pg_database WHERE datname = %s",
+                         (DATABASE,)).fetchone() is None:
+            admin.execute(f'CREATE DATABASE "{DATABASE}"')
+    with psycopg.connect(pg_dsn(DATABASE), autocommit=True) as conn:
+        conn.execute(f'DROP SCHEMA IF EXISTS "{SCHEMA}" CASCADE')
+        migrate(conn, SCHEMA)
+        for table in ("pgjobs_job", "pgjobs_slot", "pgjobs_queue", "pgjobs_counter",
+                      "pgjobs_consumer"):
+            conn.execute(f'ALTER TABLE "{SCHEMA}".{table} SET (autovacuum_enabled = false)')
+        state = "ENABLE" if trigger else "DISABLE"
+        conn.execute(f'ALTER TABLE "{SCHEMA}".pgjobs_job {state} TRIGGER pgjobs_job_notify_v1')
+
+
+def _connection(name: str, **options: Any) -> kombu.Connection:
+    return kombu.Connection(_url(), transport_options={
+        "schema": SCHEMA, "application_name": f"bench-notify-{name}", **options})
+
+
+# -- (a) publish throughput --------------------------------------------------------------------
+def publish_rate(threads: int, seconds: float) -> float:
+    """Messages/s of ``threads`` threads publishing through kombu for ``seconds``."""
+    queue = kombu.Queue(QUEUE)
+    counts = [0] * threads
+    ready = threading.Barrier(threads + 1)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def publisher(i: int) -> None:
+        try:
+            with _connection(f"p{i}") as conn:
+                producer = conn.Producer()
+                queue(conn.default_channel).declare()
+                producer.publish({"warm": i}, routing_key=QUEUE)  # connection opened
+                ready.wait()
+                n = 0
+                while not stop.is_set():
+                    producer.publish({"i": n, "t": i}, routing_key=QUEUE)
+                    n += 1
+                counts[i] = n
+        except BaseException as exc:  # reported, never a silent low figure
+            errors.append(exc)
+            ready.abort()
+
+    pool = [threading.Thread(target=publisher, args=(i,), daemon=True) for i in range(threads)]
+    for t in pool:
+        t.start()
+    ready.wait()
+    started = time.monotonic()
+    time.sleep(seconds)
+    stop.set()
+    for t in pool:
+        t.join(60)
+    elapsed = time.monotonic() - started
+    release_all()
+    if errors:
+        raise errors[0]
+    return sum(counts) / elapsed
+
+
+# -- (b) transactions per message --------------------------------------------------------------
+def _xacts() -> int:
+    with psycopg.connect(PG_ADMIN_DSN, autocommit=True) as admin:
+        row = admin.execute("SELECT xact_commit + xact_rollback FROM pg_stat_database "
+                            "WHERE datname = %s", (DATABASE,)).fetchone()
+    return int(row[0]) if row else 0
+
+
+def _others() -> int:
+    with psycopg.connect(PG_ADMIN_DSN, autocommit=True) as admin:
+        row = admin.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = %s",
+                            (DATABASE,)).fetchone()
+    return int(row[0]) if row else 0
+
+
+def _quiet(timeout: float = 15.0) -> None:
+    """Wait until no backend is connected to the database (each reported its counters)."""
+    deadline = time.monotonic() + timeout
+    while _others() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(0.3)
+
+
+def consume_phase(consumers: int, messages: int, gap: float,
+                  idle_for: float = 0.0) -> tuple[int, float]:
+    """(transactions, seconds) of one phase: ``consumers`` idle consumers, ``messages``
+    published ``gap`` apart, or none and ``idle_for`` seconds idle."""
+    queue = kombu.Queue(QUEUE)
+    got = [0]
+    lock = threading.Lock()
+    ready = threading.Barrier(consumers + 1)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def on_message(body: Any, message: kombu.Message) -> None:
+        message.ack()
+        with lock:
+            got[0] += 1
+
+    def consumer(i: int) -> None:
+        try:
+            with _connection(f"c{i}") as conn, conn.Consumer(queue, callbacks=[on_message],
+                                                             prefetch_count=4):
+                try:
+                    conn.drain_events(timeout=0.2)  # claim connection open, LISTENing
+                except TimeoutError:
+                    pass
+                ready.wait()
+                while not stop.is_set():
+                    try:
+                        conn.drain_events(timeout=0.5)
+                    except TimeoutError:
+                        pass
+        except BaseException as exc:
+            errors.append(exc)
+            ready.abort()
+
+    _quiet()
+    before = _xacts()
+    pool = [threading.Thread(target=consumer, args=(i,), daemon=True)
+            for i in range(consumers)]
+    for t in pool:
+        t.start()
+    ready.wait()
+    started = time.monotonic()
+    with _connection("pub") as conn:
+        producer = conn.Producer()
+        for n in range(messages):
+            producer.publish({"n": n}, routing_key=QUEUE)
+            time.sleep(gap)
+        if not messages:
+            time.sleep(idle_for)
+        deadline = time.monotonic() + 30
+        while got[0] < messages and time.monotonic() < deadline:
+            time.sleep(0.01)
+    elapsed = time.monotonic() - started
+    stop.set()
+    for t in pool:
+        t.join(30)
+    release_all()
+    if errors:
+        raise errors[0]
+    if got[0] != messages:
+        raise RuntimeError(f"consumed {got[0]} of {messages}")
+    _quiet()
+    return _xacts() - before, elapsed
+
+
+def xacts_per_message(consumers: int, messages: int, gap: float) -> dict[str, float]:
+    busy, busy_s = consume_phase(consumers, messages, gap)
+    idle, idle_s = consume_phase(consumers, 0, gap, idle_for=busy_s)
+    # what the same consumers cost doing nothing for as long, scaled to the busy phase's time
+    idle_scaled = idle * busy_s / idle_s if idle_s else idle
+    return {"consumers": consumers, "messages": messages, "xacts_busy": busy,
+            "xacts_idle_same_time": round(idle_scaled, 1),
+            "per_message": round((busy - idle_scaled) / messages, 2),
+            "per_message_raw": round(busy / messages, 2)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.notify", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--threads", type=int, default=8)
+    p.add_argument("--seconds", type=float, default=5.0)
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--consumers", default="1,6", help="idle consumer counts for (b)")
+    p.add_argument("--messages", type=int, default=200)
+    p.add_argument("--gap", type=float, default=0.02, help="seconds between (b)'s publishes")
+    p.add_argument("--skip", choices=["a", "b"], help="leave one part out")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args()
+    result: dict[str, Any] = {}
+    if args.skip != "a":
+        rates: dict[str, list[float]] = {"trigger": [], "no_trigger": []}
+        for _ in range(args.runs):
+            for trigger in (True, False):
+                _setup(trigger)
+                rates["trigger" if trigger else "no_trigger"].append(
+                    publish_rate(args.threads, args.seconds))
+        result["publish"] = {"threads": args.threads, "seconds": args.seconds,
+                             **{k: {"median": round(statistics.median(v)),
+                                    "runs": [round(x) for x in v]} for k, v in rates.items()}}
+    if args.skip != "b":
+        result["xacts"] = []
+        for n in (int(x) for x in args.consumers.split(",")):
+            _setup(True)
+            result["xacts"].append(xacts_per_message(n, args.messages, args.gap))
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return
+    if "publish" in result:
+        r = result["publish"]
+        print(f"(a) {r['threads']} threads publishing through kombu, {r['seconds']:g} s each, "
+              f"median of {args.runs}:")
+        for k in ("trigger", "no_trigger"):
+            print(f"    {k:<11} {r[k]['median']:>7,} msg/s   runs {r[k]['runs']}")
+    for r in result.get("xacts", []):
+        print(f"(b) {r['consumers']} idle consumer(s), {r['messages']} messages "
+              f"{args.gap:g} s apart: {r['per_message']} transactions per message "
+              f"({r['xacts_busy']} in all, {r['xacts_idle_same_time']} of them the idle "
+              f"cost of that time; {r['per_message_raw']} per message raw)")
+
+
+if __name__ == "__main__":
+    main()
