@@ -10,9 +10,10 @@ $BENCH_PG_ADMIN_DSN (created when missing; nothing else uses it, so its counters
 (a) **Publish throughput**: ``--threads`` threads publish through kombu for ``--seconds``
     each, every thread on its own publish connection (a backend per thread: distinct
     ``application_name``), with the trigger enabled and then disabled on the job table,
-    alternating, ``--runs`` times. PostgreSQL serialises the commits of every transaction
-    that notified (a lock held from pre-commit to the end of commit, across the cluster), so
-    with the trigger concurrent publishers commit one at a time. Messages/s, median of runs.
+    alternating, ``--runs`` times; each also with ``durable_publish=False``. PostgreSQL
+    serialises the commits of every transaction that notified (a lock held from pre-commit to
+    the end of commit, WAL flush included, across the cluster), so with the trigger concurrent
+    publishers commit one at a time. Messages/s, median of runs.
 
 (b) **Transactions per message**: ``N`` idle kombu consumers (LISTEN, the default), each on
     its own connection, consume one queue; ``--messages`` messages are published one at a
@@ -77,7 +78,7 @@ def _connection(name: str, **options: Any) -> kombu.Connection:
 
 
 # -- (a) publish throughput --------------------------------------------------------------------
-def publish_rate(threads: int, seconds: float) -> float:
+def publish_rate(threads: int, seconds: float, *, durable: bool = True) -> float:
     """Messages/s of ``threads`` threads publishing through kombu for ``seconds``."""
     queue = kombu.Queue(QUEUE)
     counts = [0] * threads
@@ -87,7 +88,7 @@ def publish_rate(threads: int, seconds: float) -> float:
 
     def publisher(i: int) -> None:
         try:
-            with _connection(f"p{i}") as conn:
+            with _connection(f"p{i}", durable_publish=durable) as conn:
                 producer = conn.Producer()
                 queue(conn.default_channel).declare()
                 producer.publish({"warm": i}, routing_key=QUEUE)  # connection opened
@@ -230,12 +231,15 @@ def main() -> None:
     args = p.parse_args()
     result: dict[str, Any] = {}
     if args.skip != "a":
-        rates: dict[str, list[float]] = {"trigger": [], "no_trigger": []}
+        # durable_publish=False as well: the lock NOTIFY takes is held through the commit's
+        # WAL flush, which an asynchronous commit does not wait for
+        cases = {"trigger": (True, True), "no_trigger": (True, False),
+                 "trigger_async": (False, True), "no_trigger_async": (False, False)}
+        rates: dict[str, list[float]] = {k: [] for k in cases}
         for _ in range(args.runs):
-            for trigger in (True, False):
+            for name, (durable, trigger) in cases.items():
                 _setup(trigger)
-                rates["trigger" if trigger else "no_trigger"].append(
-                    publish_rate(args.threads, args.seconds))
+                rates[name].append(publish_rate(args.threads, args.seconds, durable=durable))
         result["publish"] = {"threads": args.threads, "seconds": args.seconds,
                              **{k: {"median": round(statistics.median(v)),
                                     "runs": [round(x) for x in v]} for k, v in rates.items()}}
@@ -251,8 +255,8 @@ def main() -> None:
         r = result["publish"]
         print(f"(a) {r['threads']} threads publishing through kombu, {r['seconds']:g} s each, "
               f"median of {args.runs}:")
-        for k in ("trigger", "no_trigger"):
-            print(f"    {k:<11} {r[k]['median']:>7,} msg/s   runs {r[k]['runs']}")
+        for k in ("trigger", "no_trigger", "trigger_async", "no_trigger_async"):
+            print(f"    {k:<16} {r[k]['median']:>7,} msg/s   runs {r[k]['runs']}")
     for r in result.get("xacts", []):
         print(f"(b) {r['consumers']} idle consumer(s), {r['messages']} messages "
               f"{args.gap:g} s apart: {r['per_message']} transactions per message "
