@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import os
 import re
 import socket
@@ -48,7 +49,8 @@ __all__ = [
     "record_dead_letter",
 ]
 
-#: every state an operator can filter on: three live ones (derived) and dead
+#: every state an operator can filter on: four live ones (ready and delayed derived from the
+#: due time) and dead
 STATES = ("ready", "delayed", "running", "waiting", "dead")
 LIVE_STATES = ("ready", "delayed", "running", "waiting")
 #: the header a tenant-aware publisher sets; `pgjobs ls --tenant` filters on it
@@ -65,18 +67,91 @@ DEFAULT_BATCH = 1000
 
 _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
 _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)([smhdw])")
+#: the longest duration an operator may give: a century. Ages are subtracted from now() in
+#: Postgres, whose timestamps end in 4713 BC; without a bound ``999999999d`` became a
+#: database error (an interval or timestamp out of range) instead of this code.
+MAX_DURATION_DAYS = 36500
+MAX_DURATION = MAX_DURATION_DAYS * 86400.0
+#: the most leases `pgjobs workers` lists per process
+MAX_LEASES = 1000
 
 
 def parse_duration(text: str) -> float:
-    """``7d``, ``12h``, ``1d12h``, ``90m``, ``30s`` or a bare number of seconds -> seconds."""
+    """``7d``, ``12h``, ``1d12h``, ``90m``, ``30s`` or a bare number of seconds -> seconds,
+    at most :data:`MAX_DURATION`."""
     raw = str(text).strip().lower()
     if re.fullmatch(r"\d+(?:\.\d+)?", raw):
-        return float(raw)
-    parts = _DURATION_PART.findall(raw)
-    if not parts or "".join(n + u for n, u in parts) != raw:
+        seconds = float(raw)
+    else:
+        parts = _DURATION_PART.findall(raw)
+        if not parts or "".join(n + u for n, u in parts) != raw:
+            raise InvalidArgument(
+                f"duration {text!r} is invalid: use e.g. 7d, 12h, 1d12h, 90m, 30s")
+        seconds = sum(float(n) * _UNITS[u] for n, u in parts)
+    if not seconds <= MAX_DURATION:  # also NaN and inf, from digits enough to overflow
         raise InvalidArgument(
-            f"duration {text!r} is invalid: use e.g. 7d, 12h, 1d12h, 90m, 30s")
-    return sum(float(n) * _UNITS[u] for n, u in parts)
+            f"duration {text!r} is out of range: at most {MAX_DURATION_DAYS}d")
+    return seconds
+
+
+def _is_duration(text: str) -> bool:
+    raw = str(text).strip().lower()
+    return bool(re.fullmatch(r"(?:\d+(?:\.\d+)?[smhdw]?)+", raw)) and bool(raw)
+
+
+def _field(value: Any) -> Any:
+    """A header value as Postgres's ``->>`` gives it: a string as is, anything else as its
+    JSON text."""
+    if value is None or isinstance(value, str):
+        return value
+    return json.dumps(value, separators=(",", ":"))
+
+
+def _read_raw(row: dict[str, Any], tenant: str | None) -> bool:
+    """Fill ``task_id`` and ``tenant`` of a listed row from its ``raw_message`` (set only for a
+    message Postgres cannot parse, see admin_ls) and apply the ``tenant`` filter the SQL left
+    to us. False: the row does not match the filter."""
+    raw = row.pop("raw_message", None)
+    if raw is None:
+        return True
+    try:
+        message = json.loads(raw)
+    except ValueError:
+        message = None
+    headers = message.get("headers") if isinstance(message, dict) else None
+    headers = headers if isinstance(headers, dict) else {}
+    row["task_id"] = _field(headers.get("id"))
+    row["tenant"] = _field(headers.get(TENANT_HEADER))
+    return tenant is None or row["tenant"] == tenant
+
+
+def _page(rows: list[dict[str, Any]], limit: int, tenant: str | None) -> dict[str, Any]:
+    """One keyset page from ``limit + 1`` fetched rows. The cursor is the last row fetched
+    for the page, kept or not: a row dropped by the tenant filter in Python makes the page
+    shorter, never makes the next page skip a row."""
+    more = len(rows) > limit
+    rows = rows[:limit]
+    last = rows[-1]["id"] if rows else None
+    kept = [r for r in rows if _read_raw(r, tenant)]
+    return {"items": kept, "next": str(last) if more and last is not None else None}
+
+
+def _printable(value: Any) -> Any:
+    """Values Postgres's jsonb refuses, made storable: NUL and lone surrogates become their
+    visible escapes (``\\u0000``), in keys and values, and NaN or infinity its name. An error
+    recorded for an operator must never be lost because of one character of it."""
+    if isinstance(value, str):
+        if "\x00" in value or any("\ud800" <= c <= "\udfff" for c in value):
+            return "".join(f"\\u{ord(c):04x}" if c == "\x00" or "\ud800" <= c <= "\udfff"
+                           else c for c in value)
+        return value
+    if isinstance(value, Mapping):
+        return {_printable(str(k)): _printable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_printable(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # JSON has no NaN or Infinity
+    return value
 
 
 def _iso(value: Any) -> Any:
@@ -173,7 +248,7 @@ def record_dead_letter(conn: psycopg.Connection[Any], schema: str, *, queue: str
         "job_table": f'"{schema}".pgjobs_job', "job_id": job_id, "claim": claim,
         "queue": queue, "priority": priority, "task": task, "attempts": attempts,
         "max_attempts": max_attempts, "reason": reason,
-        "error": Jsonb(dict(error)) if error is not None else None, "message": text,
+        "error": Jsonb(_printable(error)) if error is not None else None, "message": text,
         "shard": shard or f"celery_ext:{socket.gethostname()}:{os.getpid()}",
     }).fetchone()
     assert row is not None
@@ -214,6 +289,19 @@ class Admin:
         cur = self.conn.execute(self.q[name], params)
         return [_row(cur, r) for r in cur.fetchall()]
 
+    def _listing(self, name: str, params: Mapping[str, Any]) -> list[dict[str, Any]]:
+        """A page of admin_ls or admin_dead_ls. The tenant filter parses every message it
+        scans; one Postgres cannot parse (a NUL or a lone surrogate in it) fails the statement,
+        and only then is it run again carefully (see admin_ls): the common case pays nothing
+        for the rare one."""
+        try:
+            return self._dicts(name, {**params, "careful": False})
+        except (psycopg.errors.UntranslatableCharacter,
+                psycopg.errors.InvalidTextRepresentation):
+            if params.get("tenant") is None:
+                raise
+            return self._dicts(name, {**params, "careful": True})
+
     def require_queue(self, queue: str) -> str:
         validate_queue_name(queue)
         if not self._one("admin_queue_known", {"queue": queue}):
@@ -230,10 +318,8 @@ class Admin:
         """An ISO 8601 timestamp, or a duration meaning that long ago (``2h``)."""
         if text is None:
             return None
-        try:
-            return self.cutoff(parse_duration(text))
-        except InvalidArgument:
-            pass
+        if _is_duration(text):
+            return self.cutoff(parse_duration(text))  # out of range: PGJ-405, not "a time"
         try:
             value = datetime.fromisoformat(str(text).replace("Z", "+00:00"))
         except ValueError:
@@ -283,14 +369,12 @@ class Admin:
         if queue is not None:
             self.require_queue(queue)
         cursor = 0 if after in (None, "") else _ids([after])[0]
-        rows = self._dicts("admin_ls", {
+        rows = self._listing("admin_ls", {
             "states": wanted, "queue": queue, "task": task, "tenant": tenant,
             "created_after": self.time_arg(created_after),
             "created_before": self.time_arg(created_before),
             "after": cursor, "limit": int(limit) + 1})
-        more = len(rows) > int(limit)
-        rows = rows[: int(limit)]
-        return {"items": rows, "next": str(rows[-1]["id"]) if more and rows else None}
+        return _page(rows, int(limit), tenant)
 
     def show(self, job_id: str | int, *, body: bool = False) -> dict[str, Any]:
         (ident,) = _ids([job_id])
@@ -321,12 +405,10 @@ class Admin:
         if queue is not None:
             self.require_queue(queue)
         cursor = 0 if after in (None, "") else _ids([after])[0]
-        rows = self._dicts("admin_dead_ls", {
+        rows = self._listing("admin_dead_ls", {
             "queue": queue, "task": task, "reason": reason, "tenant": tenant,
             "after": cursor, "limit": int(limit) + 1})
-        more = len(rows) > int(limit)
-        rows = rows[: int(limit)]
-        return {"items": rows, "next": str(rows[-1]["id"]) if more and rows else None}
+        return _page(rows, int(limit), tenant)
 
     def dead_show(self, job_id: str | int, *, body: bool = False) -> dict[str, Any]:
         (ident,) = _ids([job_id])
@@ -344,6 +426,8 @@ class Admin:
                 "rates": self._dicts("admin_rates", params)}
 
     def workers(self, *, leases: int = 20) -> list[dict[str, Any]]:
+        if not 0 <= int(leases) <= MAX_LEASES:  # 0: counts only (the metrics exporter)
+            raise InvalidArgument(f"--leases must be between 0 and {MAX_LEASES}, got {leases}")
         return self._dicts("admin_workers", {"leases": int(leases)})
 
     def counter_totals(self) -> list[dict[str, Any]]:

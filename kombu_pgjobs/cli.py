@@ -1,8 +1,16 @@
 """The ``pgjobs`` operator CLI.
 
 The database comes from ``--dsn`` or, failing that, ``PGJOBS_DSN``, ``CELERY_BROKER_URL`` or
-``BROKER_URL`` (pgjobs:// or postgresql:// URLs). Every command takes ``--json``. Bad input exits
-with status 2 and prints the error's stable code; a database problem exits with status 3.
+``BROKER_URL`` (pgjobs:// or postgresql:// URLs). Every command takes ``--json`` (before or after
+the command name). Bad input, usage errors included, exits with status 2 and prints the error's
+stable code; a database problem exits with status 3.
+
+What the CLI prints is read by people in terminals and pasted into tickets, so every line goes
+through one place (:func:`_emit`) that removes passwords (``user:pass@`` in URLs, ``password=``
+in conninfo, and the literal password of the DSN in use, wherever a driver echoed it), and
+text output escapes control characters (ESC, CR, the C1 range, bidi overrides) that a message's
+task name, headers or error could carry: a hostile message cannot rewrite the operator's
+terminal. ``--json`` output is JSON with every control character escaped by the encoder.
 """
 
 from __future__ import annotations
@@ -10,16 +18,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
-from collections.abc import Callable, Iterator, Sequence
+import traceback
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NoReturn
+from urllib.parse import quote, unquote, urlsplit
 
 import psycopg
 
-from .admin import DEFAULT_BATCH, DEFAULT_BULK_LIMIT, DEFAULT_PAGE, STATES, Admin
+from .admin import DEFAULT_BATCH, DEFAULT_BULK_LIMIT, DEFAULT_PAGE, MAX_LEASES, STATES, Admin
 from .database import connect, conninfo_from_url
-from .errors import ConfigurationError, PgJobsError
+from .errors import ConfigurationError, InvalidArgument, PgJobsError, UsageError
 from .options import TransportOptions
 from .schema import current_version, latest_version, migrate
 
@@ -27,10 +38,120 @@ __all__ = ["build_parser", "main"]
 
 Command = Callable[[argparse.Namespace], Any]
 
+#: where a DSN may come from besides --dsn, in order
+DSN_ENV = ("PGJOBS_DSN", "CELERY_BROKER_URL", "BROKER_URL")
+
+
+# -- what may reach the terminal ---------------------------------------------------------------
+# userinfo of any URL (scheme://user:password@): the password goes, the user stays. Greedy up
+# to the last "@" of the word, as urlsplit reads a password holding a raw "@".
+_URL_PASSWORD = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://[^\s/@:]*):\S*@")
+# libpq conninfo and URL query parameters: password=..., quoted or not
+_KV_PASSWORD = re.compile(
+    r"""(?i)\b(password\s*=\s*)('(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*"|[^\s&;,'"]*)""")
+# passwords shorter than this are only removed where they appear as a password (above): a
+# literal "pw" replaced everywhere would garble messages instead of protecting anything
+_MIN_LITERAL = 4
+# characters that control a terminal, or reorder or hide text: C0 (but \t and \n), DEL, C1,
+# bidi overrides and isolates, line/paragraph separators, and lone surrogates (which cannot
+# even be encoded to UTF-8)
+_OTHER_UNSAFE = r"\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069\ud800-\udfff"
+_UNSAFE_TEXT = re.compile(rf"[\x00-\x08\x0b-\x1f{_OTHER_UNSAFE}]")
+# in one table cell or one "field: value" line, \t and \n are unsafe too (they forge rows)
+_UNSAFE_LINE = re.compile(rf"[\x00-\x1f{_OTHER_UNSAFE}]")
+_NAMED = {"\t": "\\t", "\n": "\\n", "\r": "\\r"}
+
+
+def _escape_char(match: re.Match[str]) -> str:
+    c = match.group(0)
+    if c in _NAMED:
+        return _NAMED[c]
+    return f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}"
+
+
+def _safe_line(value: Any) -> str:
+    """One field for one line of text output: every control character escaped."""
+    return _UNSAFE_LINE.sub(_escape_char, str(value))
+
+
+def _safe_text(value: Any) -> str:
+    """Multi-line text output (a traceback, a whole table): controls escaped, lines kept."""
+    return _UNSAFE_TEXT.sub(_escape_char, str(value))
+
+
+def _hide_url_password(match: re.Match[str]) -> str:
+    # our own hint "pgjobs://user:password@host" is a placeholder, not a secret
+    if match.group(0).endswith("://user:password@"):
+        return match.group(0)
+    return f"{match.group(1)}:***@"
+
+
+class _Secrets:
+    """The passwords this run could leak: those of --dsn, of the DSN variables, of any URL on
+    the command line (a DSN given where a command was expected is echoed by argparse), and
+    ``PGPASSWORD``."""
+
+    def __init__(self, argv: Iterable[str]) -> None:
+        found: set[str] = set()
+        candidates = [a for a in argv if "://" in a]
+        candidates += [os.environ[v] for v in DSN_ENV if os.environ.get(v)]
+        for text in candidates:
+            try:
+                password = urlsplit(text.split("=", 1)[-1] if text.startswith("--") else text
+                                    ).password
+            except ValueError:
+                password = None
+            if password:
+                found |= {password, unquote(password), quote(unquote(password), safe="")}
+        if os.environ.get("PGPASSWORD"):
+            found.add(os.environ["PGPASSWORD"])
+        # longest first, so a password containing another is removed whole
+        self.literals = sorted((p for p in found if len(p) >= _MIN_LITERAL), key=len,
+                               reverse=True)
+
+    def scrub(self, text: str) -> str:
+        text = _URL_PASSWORD.sub(_hide_url_password, text)
+        text = _KV_PASSWORD.sub(r"\1***", text)
+        for literal in self.literals:
+            text = text.replace(literal, "***")
+        return text
+
+    def scrub_all(self, value: Any) -> Any:
+        """Every string in a JSON-ready value scrubbed (keys too)."""
+        if isinstance(value, str):
+            return self.scrub(value)
+        if isinstance(value, dict):
+            return {self.scrub_all(k): self.scrub_all(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [self.scrub_all(v) for v in value]
+        return value
+
+
+def _emit(secrets: _Secrets, value: Any, *, as_json: bool, err: bool = False) -> None:
+    """The one place output leaves the CLI: scrubbed of passwords; text escaped for the
+    terminal; JSON as JSON (the encoder escapes every control character)."""
+    if as_json:
+        text = json.dumps(secrets.scrub_all(value), default=str) + "\n"
+    else:
+        text = secrets.scrub(_safe_text(value))
+        if not text.endswith("\n"):
+            text += "\n"
+    stream = sys.stderr if err else sys.stdout
+    stream.write(text)
+    stream.flush()
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with usage errors raised as :class:`UsageError` instead of printed and exited
+    on: main() answers them as it answers every error (a code, JSON under --json, no
+    password)."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{message} (usage: {' '.join(self.format_usage().split()[1:])})")
+
 
 def _dsn(args: argparse.Namespace) -> str:
-    url = args.dsn or os.environ.get("PGJOBS_DSN") or os.environ.get("CELERY_BROKER_URL") \
-        or os.environ.get("BROKER_URL")
+    url = args.dsn or next((os.environ[v] for v in DSN_ENV if os.environ.get(v)), None)
     if not url:
         raise ConfigurationError(
             "no database given: pass --dsn pgjobs://user@host/db or set PGJOBS_DSN")
@@ -74,8 +195,8 @@ def _cell(value: Any) -> str:
     if isinstance(value, bool):
         return "yes" if value else "no"
     if isinstance(value, (list, tuple)):
-        return ",".join(map(str, value)) or "-"
-    return str(value)
+        return _safe_line(",".join(map(str, value))) or "-"
+    return _safe_line(value)
 
 
 def _table(rows: list[dict[str, Any]], columns: list[tuple[str, str]]) -> str:
@@ -174,7 +295,10 @@ def cmd_show(args: argparse.Namespace) -> dict[str, Any]:
         return admin.show(args.id, body=args.body)
 
 
-def _render_show(r: dict[str, Any]) -> str:
+def _render_show(result: dict[str, Any]) -> str:
+    # every field a message carries is escaped to one line; the traceback keeps its lines
+    r = {k: v if k in ("headers", "body", "limits", "last_error") or v is None
+         or isinstance(v, (int, float)) else _safe_line(v) for k, v in result.items()}
     lines = [f"id:           {r['id']}", f"queue:        {r['queue']}",
              f"state:        {r['state']}" + (" (cancelled)" if r.get("cancelled_at") else ""),
              f"task:         {r['task']}  [{r['task_id']}]",
@@ -202,7 +326,7 @@ def _render_show(r: dict[str, Any]) -> str:
         tb = err.pop("traceback", None)
         lines.append(f"last error:   {_pretty(err)}")
         if tb:
-            lines.append("traceback:\n" + str(tb).rstrip())
+            lines.append("traceback:\n" + _safe_text(tb).rstrip())
     lines.append(f"headers:      {_pretty(r['headers'])}")
     if "body" in r:
         lines.append(f"body:         {_pretty(r['body'])}")
@@ -393,13 +517,20 @@ def cmd_metrics(args: argparse.Namespace) -> Any:
                                  "samples": [{"labels": lb, "value": v} for lb, v in m.samples]}
                                 for m in metrics]}
         return render(metrics)
+    if not 0 <= args.serve <= 65535:
+        raise InvalidArgument(f"--serve port {args.serve} is out of range 0-65535")
     source = MetricsSource(_dsn(args), args.schema)
     source.metrics()  # fail now, with the error's code, rather than on the first scrape
-    server = make_server(source.text, args.serve, args.bind)
+    try:
+        server = make_server(source.text, args.serve, args.bind)
+    except (OSError, OverflowError) as exc:
+        source.close()
+        raise InvalidArgument(f"cannot serve metrics on {args.bind}:{args.serve}: {exc}") \
+            from None
     host, port = server.server_address[:2]
     url = f"http://{host}:{port}/metrics"
     print(json.dumps({"serving": url}) if args.json else f"pgjobs: serving metrics on {url}",
-          flush=True)
+          flush=True)  # our own address: nothing to scrub or escape
     try:
         server.serve_forever()
     except KeyboardInterrupt:
@@ -453,13 +584,33 @@ def _bulk_args(p: argparse.ArgumentParser) -> None:
                         "result says how many remain")
 
 
+def _global_args(p: argparse.ArgumentParser) -> None:
+    """--dsn, --schema and --json, accepted before the command name and after it.
+
+    Their defaults are SUPPRESS and filled in by :func:`_resolve`: with a real default, the
+    subcommand's parser would overwrite a value given before the command with its own
+    default."""
+    p.add_argument("--dsn", default=argparse.SUPPRESS,
+                   help="pgjobs:// or postgresql:// URL (default: $PGJOBS_DSN, "
+                        "$CELERY_BROKER_URL, $BROKER_URL)")
+    p.add_argument("--schema", default=argparse.SUPPRESS,
+                   help="pgjobs schema (default: $PGJOBS_SCHEMA or pgjobs)")
+    p.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
+                   help="machine-readable output, errors included")
+
+
+def _resolve(args: argparse.Namespace) -> argparse.Namespace:
+    args.dsn = getattr(args, "dsn", None)
+    args.schema = getattr(args, "schema", None) or os.environ.get("PGJOBS_SCHEMA", "pgjobs")
+    args.json = getattr(args, "json", False)
+    return args
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pgjobs", description=__doc__.splitlines()[0])
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--dsn", help="pgjobs:// or postgresql:// URL (default: $PGJOBS_DSN)")
-    common.add_argument("--schema", default=os.environ.get("PGJOBS_SCHEMA", "pgjobs"),
-                        help="pgjobs schema (default: pgjobs or $PGJOBS_SCHEMA)")
-    common.add_argument("--json", action="store_true", help="machine-readable output")
+    parser = _Parser(prog="pgjobs", description=__doc__.splitlines()[0])
+    _global_args(parser)
+    common = _Parser(add_help=False)
+    _global_args(common)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     _add(sub, "migrate", cmd_migrate, _render_migrate, common)
@@ -490,7 +641,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=DEFAULT_PAGE,
                    help=f"most keys listed (default {DEFAULT_PAGE}, at most 1000)")
 
-    dead = sub.add_parser("dead", help="dead letters: ls, show, requeue, purge")
+    dead = sub.add_parser("dead", parents=[common],
+                          help="dead letters: ls, show, requeue, purge")
     dsub = dead.add_subparsers(dest="dead_command", required=True, metavar="COMMAND")
     p = _add(dsub, "ls", cmd_dead_ls, _render_dead_ls, common)
     p.add_argument("--queue")
@@ -531,7 +683,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("queue")
 
     p = _add(sub, "workers", cmd_workers, _render_workers, common)
-    p.add_argument("--leases", type=int, default=20, help="leases listed per worker")
+    p.add_argument("--leases", type=int, default=20,
+                   help=f"leases listed per worker (default 20, at most {MAX_LEASES})")
 
     p = _add(sub, "metrics", cmd_metrics, _render_text, common)
     p.add_argument("--serve", type=int, metavar="PORT",
@@ -553,39 +706,83 @@ def _exit_code(exc: PgJobsError) -> int:
     return 2 if isinstance(exc, ConfigurationError) or exc.code.startswith("PGJ-4") else 3
 
 
+def _wants_json(argv: Sequence[str]) -> bool:
+    """--json on a command line argparse could not parse (abbreviations included)."""
+    for token in argv:
+        if token == "--":
+            break
+        if token.startswith("--j") and "--json".startswith(token):
+            return True
+    return False
+
+
+def _database_error(exc: psycopg.Error) -> tuple[dict[str, Any], str]:
+    message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return ({"error": {"code": None, "sqlstate": exc.sqlstate,
+                       "message": f"database error: {message}"}},
+            f"pgjobs: database error: {message}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    secrets = _Secrets(argv)
+    for stream in (sys.stdout, sys.stderr):  # a lone surrogate must not crash the output
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None:
+            reconfigure(errors="backslashreplace")
+    as_json = _wants_json(argv)
     try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:  # usage errors: argparse printed them; exit 2 like bad input
-        return int(exc.code or 0) if not isinstance(exc.code, str) else 2
-    as_json = getattr(args, "json", False)
-    try:
-        result = args.func(args)
-    except PgJobsError as exc:
-        payload = {"error": {"code": exc.code, "message": exc.message}}
+        try:
+            if any("\x00" in a for a in argv):
+                raise UsageError("an argument holds a NUL character")
+            args = _resolve(build_parser().parse_args(argv))
+            as_json = args.json
+            result = args.func(args)
+        except PgJobsError as exc:
+            if as_json:
+                _emit(secrets, {"error": {"code": exc.code, "message": exc.message}},
+                      as_json=True)
+            else:
+                _emit(secrets, f"pgjobs: error [{exc.code}] {exc.message}", as_json=False,
+                      err=True)
+            return _exit_code(exc)
+        except psycopg.Error as exc:
+            payload, line = _database_error(exc)
+            if as_json:
+                _emit(secrets, payload, as_json=True)
+            else:
+                _emit(secrets, line, as_json=False, err=True)
+            return 3
+        except KeyboardInterrupt:
+            return 130
+        except BrokenPipeError:
+            raise
+        except Exception as exc:  # a bug: say so in one line, without a password in it
+            if os.environ.get("PGJOBS_DEBUG"):
+                _emit(secrets, traceback.format_exc(), as_json=False, err=True)
+            payload = {"error": {"code": None,
+                                 "message": f"internal error: {type(exc).__name__}: {exc}"}}
+            if as_json:
+                _emit(secrets, payload, as_json=True)
+            else:
+                _emit(secrets, f"pgjobs: {payload['error']['message']} (set PGJOBS_DEBUG=1 "
+                      "for the traceback)", as_json=False, err=True)
+            return 1
+        if result is None:
+            return 0
         if as_json:
-            print(json.dumps(payload))
+            _emit(secrets, result, as_json=True)
+        elif isinstance(result, str):
+            _emit(secrets, result, as_json=False)
         else:
-            print(f"pgjobs: error [{exc.code}] {exc.message}", file=sys.stderr)
-        return _exit_code(exc)
-    except psycopg.Error as exc:
-        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        if as_json:
-            print(json.dumps({"error": {"code": None, "sqlstate": exc.sqlstate,
-                                        "message": f"database error: {message}"}}))
-        else:
-            print(f"pgjobs: database error: {message}", file=sys.stderr)
-        return 3
-    if result is None:
+            _emit(secrets, args.render(result), as_json=False)
         return 0
-    if as_json:
-        print(json.dumps(result, default=str))
-    elif isinstance(result, str):
-        sys.stdout.write(result)
-    else:
-        print(args.render(result))
-    return 0
+    except BrokenPipeError:  # `pgjobs ls | head`: the reader has what it wanted
+        try:  # so the interpreter's flush at exit cannot fail again
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        return 0
 
 
 if __name__ == "__main__":  # pragma: no cover

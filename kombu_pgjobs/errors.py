@@ -38,6 +38,7 @@ __all__ = [
     "StateConflict",
     "UnknownQueue",
     "UnknownState",
+    "UsageError",
     "all_error_classes",
 ]
 
@@ -129,7 +130,7 @@ class NotFound(PgJobsError):
 
 
 class UnknownState(PgJobsError):
-    """No such message state: use ready, delayed, running or dead."""
+    """No such message state: use ready, delayed, running, waiting or dead."""
 
     code = "PGJ-402"
 
@@ -162,6 +163,16 @@ class InvalidTaskOption(ConfigurationError):
     """A celery_ext task option is invalid (max_attempts, terminal, retry_after, retryable...)."""
 
     code = "PGJ-407"
+
+
+class UsageError(InvalidArgument):
+    """The command line is not a valid pgjobs command: see `pgjobs COMMAND --help`.
+
+    The CLI's own argument parser raises it (unknown command or option, missing or malformed
+    argument) so that a usage error is answered like any other bad input: its code, exit status
+    2, and JSON under ``--json``."""
+
+    code = "PGJ-408"
 
 
 class MigrationError(PgJobsError):

@@ -59,6 +59,16 @@ SELECT n.name AS queue,
 -- waiting (parked by a full concurrency key).
 -- Every filter is optional (NULL); %(states)s lists the states wanted. Each branch stops at
 -- %(limit)s rows, so a page costs at most two index range scans whatever the table size.
+-- Header fields are read with json operators only from a message whose text holds no \u0000
+-- and no \uD800-\uDFFF escape: Postgres refuses to parse a whole json document that holds
+-- either (NUL cannot be text; a lone surrogate is invalid), which made one such message break
+-- every listing. Such a row returns its text as raw_message instead (NULL for every other
+-- row, so nothing more is sent) and Admin reads its headers in Python. The guard costs about
+-- what the parse does, so it runs for the rows of the page only, except under %(tenant)s,
+-- which reads every row it scans: there %(careful)s is false first (folded away by the
+-- planner: the filter costs what it always did), and only if that statement fails on such a
+-- message does Admin run it again with %(careful)s true, where such rows pass the SQL filter
+-- and Admin applies the filter to them.
 (SELECT j.id, j.queue,
         CASE WHEN j.state IN ('running', 'waiting') THEN j.state
              WHEN j.run_at > now() THEN 'delayed'
@@ -66,14 +76,20 @@ SELECT n.name AS queue,
         j.task, j.priority, j.attempts, j.max_attempts, j.claim, j.run_at, j.created_at,
         j.worker, j.lease_expires_at, j.cancelled_at,
         NULL::text AS reason, NULL::timestamptz AS died_at,
-        j.message -> 'headers' ->> 'id' AS task_id,
-        j.message -> 'headers' ->> 'x-pgjobs-tenant' AS tenant,
-        j.waiting_on
+        CASE WHEN jg.plain THEN j.message -> 'headers' ->> 'id' END AS task_id,
+        CASE WHEN jg.plain THEN j.message -> 'headers' ->> 'x-pgjobs-tenant' END AS tenant,
+        j.waiting_on,
+        CASE WHEN NOT jg.plain THEN j.message::text END AS raw_message
    FROM {schema}.pgjobs_job AS j
+   CROSS JOIN LATERAL (SELECT strpos(j.message::text, '\u0000') + strpos(j.message::text, '\ud')
+                            + strpos(j.message::text, '\uD') = 0 AS plain) AS jg
   WHERE j.id > %(after)s
     AND (%(queue)s::text IS NULL OR j.queue = %(queue)s)
     AND (%(task)s::text IS NULL OR j.task = %(task)s)
-    AND (%(tenant)s::text IS NULL OR j.message -> 'headers' ->> 'x-pgjobs-tenant' = %(tenant)s)
+    AND (%(tenant)s::text IS NULL
+         OR CASE WHEN %(careful)s::bool AND NOT jg.plain
+                 THEN true
+                 ELSE j.message -> 'headers' ->> 'x-pgjobs-tenant' = %(tenant)s END)
     AND (%(created_after)s::timestamptz IS NULL OR j.created_at >= %(created_after)s)
     AND (%(created_before)s::timestamptz IS NULL OR j.created_at < %(created_before)s)
     AND CASE WHEN j.state IN ('running', 'waiting') THEN j.state
@@ -84,15 +100,21 @@ SELECT n.name AS queue,
 UNION ALL
 (SELECT d.id, d.queue, 'dead', d.task, d.priority, d.attempts, d.max_attempts, d.claim,
         NULL, d.created_at, NULL, NULL, NULL, d.reason, d.died_at,
-        d.message -> 'headers' ->> 'id',
-        d.message -> 'headers' ->> 'x-pgjobs-tenant',
-        NULL
+        CASE WHEN dg.plain THEN d.message -> 'headers' ->> 'id' END,
+        CASE WHEN dg.plain THEN d.message -> 'headers' ->> 'x-pgjobs-tenant' END,
+        NULL,
+        CASE WHEN NOT dg.plain THEN d.message::text END
    FROM {schema}.pgjobs_dead_letter AS d
+   CROSS JOIN LATERAL (SELECT strpos(d.message::text, '\u0000') + strpos(d.message::text, '\ud')
+                            + strpos(d.message::text, '\uD') = 0 AS plain) AS dg
   WHERE 'dead' = ANY(%(states)s::text[])
     AND d.id > %(after)s
     AND (%(queue)s::text IS NULL OR d.queue = %(queue)s)
     AND (%(task)s::text IS NULL OR d.task = %(task)s)
-    AND (%(tenant)s::text IS NULL OR d.message -> 'headers' ->> 'x-pgjobs-tenant' = %(tenant)s)
+    AND (%(tenant)s::text IS NULL
+         OR CASE WHEN %(careful)s::bool AND NOT dg.plain
+                 THEN true
+                 ELSE d.message -> 'headers' ->> 'x-pgjobs-tenant' = %(tenant)s END)
     AND (%(created_after)s::timestamptz IS NULL OR d.created_at >= %(created_after)s)
     AND (%(created_before)s::timestamptz IS NULL OR d.created_at < %(created_before)s)
   ORDER BY d.id
@@ -102,17 +124,25 @@ LIMIT %(limit)s;
 
 -- name: admin_dead_ls :many
 -- One page of dead letters in id order after %(after)s, with why they died. Filters optional.
+-- A message holding \u0000 or a \uD800-\uDFFF escape is read in Python (raw_message), and
+-- %(careful)s is used, as in admin_ls.
 SELECT d.id, d.queue, d.task, d.priority, d.claim, d.attempts, d.max_attempts, d.reason,
        d.error ->> 'type' AS error_type, d.error ->> 'message' AS error_message,
        d.error ->> 'rule' AS rule, d.created_at, d.died_at,
-       d.message -> 'headers' ->> 'id' AS task_id,
-       d.message -> 'headers' ->> 'x-pgjobs-tenant' AS tenant
+       CASE WHEN dg.plain THEN d.message -> 'headers' ->> 'id' END AS task_id,
+       CASE WHEN dg.plain THEN d.message -> 'headers' ->> 'x-pgjobs-tenant' END AS tenant,
+       CASE WHEN NOT dg.plain THEN d.message::text END AS raw_message
   FROM {schema}.pgjobs_dead_letter AS d
+  CROSS JOIN LATERAL (SELECT strpos(d.message::text, '\u0000') + strpos(d.message::text, '\ud')
+                            + strpos(d.message::text, '\uD') = 0 AS plain) AS dg
  WHERE d.id > %(after)s
    AND (%(queue)s::text IS NULL OR d.queue = %(queue)s)
    AND (%(task)s::text IS NULL OR d.task = %(task)s)
    AND (%(reason)s::text IS NULL OR d.reason = %(reason)s)
-   AND (%(tenant)s::text IS NULL OR d.message -> 'headers' ->> 'x-pgjobs-tenant' = %(tenant)s)
+   AND (%(tenant)s::text IS NULL
+        OR CASE WHEN %(careful)s::bool AND NOT dg.plain
+                THEN true
+                ELSE d.message -> 'headers' ->> 'x-pgjobs-tenant' = %(tenant)s END)
  ORDER BY d.id
  LIMIT %(limit)s;
 
@@ -182,10 +212,22 @@ WITH picked AS (
     OVERRIDING SYSTEM VALUE
     SELECT new_id, queue, 'ready', priority, now(), claim, 0, max_attempts, task,
            -- limits travel in the message's header (validated when it was first published)
-           (message -> 'headers' -> 'x-pgjobs-limits')::jsonb,
-           message -> 'headers' -> 'x-pgjobs-limits' -> 'concurrency' -> 0 ->> 'key',
+           (h.doc -> 'headers' -> 'x-pgjobs-limits')::jsonb,
+           h.doc -> 'headers' -> 'x-pgjobs-limits' -> 'concurrency' -> 0 ->> 'key',
            created_at, message
       FROM picked
+      -- Postgres cannot parse a json document holding \u0000 or a lone surrogate escape: such
+      -- a message (a header with a NUL) is read with those escapes replaced by \ufffd. Only
+      -- its limits are read that way; the message itself is moved unchanged.
+     CROSS JOIN LATERAL (
+           SELECT CASE WHEN strpos(message::text, '\u0000') + strpos(message::text, '\ud')
+                            + strpos(message::text, '\uD') = 0
+                       THEN message
+                       ELSE regexp_replace(message::text,
+                                '\\u0000'
+                                '|\\u[dD][89abAB][0-9a-fA-F]{{2}}(?!\\u[dD][c-fC-F][0-9a-fA-F]{{2}})'
+                                '|(?<!\\u[dD][89abAB][0-9a-fA-F]{{2}})\\u[dD][c-fC-F][0-9a-fA-F]{{2}}',
+                                '\ufffd', 'g')::json END AS doc) AS h
     RETURNING id
 )
 SELECT p.id, p.new_id, p.queue, pg_notify(%(channel)s, p.queue) IS NULL AS notified
