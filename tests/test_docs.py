@@ -172,3 +172,89 @@ def test_purge_deletes_ready_and_delayed_not_running(db, schema, seeded) -> None
     states = db.execute(
         f'SELECT state, count(*) FROM "{schema}".pgjobs_job GROUP BY state').fetchall()
     assert dict(states) == {"running": 2}
+
+
+# -- the `pgjobs` commands the docs show exist, with those flags -----------------------------
+CLI_DOCS = [Path(__file__).resolve().parent.parent / "docs" / name for name in (
+    "operations.md", "migration.md", "howto/dead-letters.md", "reference/cli.md")]
+_SH_FENCE = re.compile(r"^[ \t]*```(?:sh|bash|console)[ \t]*\n(.*?)^[ \t]*```",
+                       re.MULTILINE | re.DOTALL)
+_SPAN = re.compile(r"`(pgjobs\s[^`]+)`")
+
+
+def doc_commands() -> list[tuple[str, str]]:
+    """(doc file, command) for every `pgjobs …` line of a shell block (``$`` before it: run
+    as written) and every inline `pgjobs …` span (prose names a command, maybe without its
+    arguments) of the pages that show the CLI."""
+    found: list[tuple[str, str]] = []
+    for path in CLI_DOCS:
+        text = path.read_text("utf-8")
+        for block in _SH_FENCE.finditer(text):
+            for line in block.group(1).splitlines():
+                line = line.strip().removeprefix("$ ")
+                for part in line.split("&&"):
+                    if part.strip().startswith("pgjobs "):
+                        found.append((path.name, "$ " + part.strip()))
+        found += [(path.name, " ".join(m.group(1).split())) for m in _SPAN.finditer(text)]
+    return found
+
+
+def _subparser(parser: Any, words: list[str]) -> tuple[Any, list[str]]:
+    """The parser of the command the leading words name, and the words left over."""
+    import argparse
+
+    while words:
+        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        if not subs or words[0] not in subs[0].choices:
+            break
+        parser, words = subs[0].choices[words[0]], words[1:]
+    return parser, words
+
+
+def test_the_docs_show_pgjobs_commands() -> None:
+    commands = doc_commands()
+    assert len(commands) >= 40
+    assert {name for name, _ in commands} == {p.name for p in CLI_DOCS}
+
+
+@pytest.mark.parametrize(("doc", "command"), doc_commands())
+def test_every_pgjobs_command_in_the_docs_exists(doc: str, command: str) -> None:
+    """A shell example must parse as it is written; a mention in prose or a synopsis
+    (``ID…``, ``[--limit N]``, ``ls|show``) must name real commands, and only options those
+    commands take."""
+    import shlex
+
+    from kombu_pgjobs.cli import build_parser
+    from kombu_pgjobs.errors import UsageError
+
+    parser = build_parser()
+    if command.startswith("$ "):
+        command = command.removeprefix("$ ")
+        try:
+            parser.parse_args(shlex.split(command, comments=True)[1:])
+        except UsageError as exc:
+            pytest.fail(f"{doc}: `{command}` does not parse: {exc.message}")
+        return
+    words = re.findall(r"[^\s\[\]]+", command)[1:]
+    while words and words[0].startswith("--"):  # global options before the command name
+        assert words[0] in ("--json", "--dsn", "--schema"), f"{doc}: `{command}`"
+        words = words[1 if words[0] == "--json" else 2:]
+    heads = words[0].split("|") if words else []
+    for head in heads or [""]:
+        sub, rest = _subparser(parser, [head, *words[1:]] if head else [])
+        if head:
+            assert sub is not parser, f"{doc}: `{command}`: no command {head!r}"
+        options = {o for a in sub._actions for o in a.option_strings}
+        for flag in re.findall(r"(?<![\w-])--[a-z][a-z-]*", " ".join(rest)):
+            assert flag in options, f"{doc}: `{command}`: {head or 'pgjobs'} has no {flag}"
+
+
+def test_the_queues_table_in_the_how_to_has_the_columns_pgjobs_prints() -> None:
+    from kombu_pgjobs.cli import _render_queues
+
+    text = (Path(__file__).resolve().parent.parent / "docs/howto/dead-letters.md").read_text()
+    shown = text.split("$ pgjobs queues\n", 1)[1].splitlines()[0]
+    row = {"queue": "q", "ready": 0, "delayed": 0, "running": 0, "waiting": 0, "dead": 0,
+           "paused": False, "oldest_ready_age": None, "settled": {}, "acked_per_minute": 0.0}
+    printed = _render_queues({"minutes": 5, "queues": [row]}).splitlines()[0]
+    assert re.split(r"\s{2,}", shown) == re.split(r"\s{2,}", printed)
