@@ -64,6 +64,18 @@ def release_all() -> None:
         b.close()
 
 
+def _flush_at_exit() -> None:
+    """Acks still buffered when the process exits are flushed, not left to lapse: a task
+    that ran and was acked must not run again."""
+    with _backends_lock:
+        backends = [b for b in _backends.values() if b.pid == os.getpid()]
+    for b in backends:
+        b.flush_pending()
+
+
+atexit.register(_flush_at_exit)
+
+
 def _forget_after_fork() -> None:
     # A forked child (prefork pool) must not use its parent's sockets or threads.
     _backends.clear()
@@ -135,17 +147,61 @@ class Backend:
 
     def publishing(self, fn: Callable[[psycopg.Connection[Any]], Any]) -> Any:
         """Run ``fn`` on the shared publish connection (autocommit: durable on return), after
-        this process's unconfirmed publishes are confirmed: ``fn`` sees them, in order."""
+        this process's unconfirmed publishes are confirmed: ``fn`` sees them, in order.
+
+        A connection found dead (a terminated backend, a restarted server) is replaced and
+        ``fn`` runs once more on the new one: what ran on the dead one did not commit, or
+        (a connection lost in the commit's reply) is fenced or idempotent, or is a publish
+        that kombu's own retry would send again anyway."""
         with self._publish_lock:
-            conn = self._publish_connection()
+            for attempt in (1, 2):
+                conn = self._publish_connection()
+                try:
+                    if self._unconfirmed is not None:
+                        # an earlier publish's failure is raised at the next publish, not here
+                        self._unconfirmed.confirm(raise_failed=False)
+                    return fn(conn)
+                except psycopg.OperationalError:
+                    if not (conn.closed or conn.broken):
+                        raise  # the statement failed (a timeout): the connection is fine
+                    self._drop_publish_connection()
+                    if attempt == 2:
+                        raise
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def settle(self, pairs: list[Pair], *, requeue: bool, uncount: bool) -> None:
+        """Fenced requeue (to ready) or bury (``reject``, to the dead letters). When the
+        database cannot be reached even on a new connection, the failure is logged, never
+        raised at Celery, and these leases are no longer renewed: they lapse and the rows come
+        back (an attempt counted) — never stranded behind a lease this process renews."""
+        try:
+            if requeue:
+                hit = self.publishing(lambda c: self.core.requeue(c, pairs, uncount=uncount))
+            else:
+                hit = self.publishing(lambda c: self.core.bury(c, pairs, reason="rejected"))
+        except (psycopg.Error, PgJobsError) as exc:
+            self.forget(pairs)
+            log_event("pgjobs.settle.failed", settle="requeue" if requeue else "reject",
+                      count=len(pairs), error=str(exc).strip().replace("\n", " ")[:300])
+            return
+        self.settled(pairs, hit, "requeue" if requeue else "reject")
+
+    def bury_malformed(self, rows: list[tuple[Any, str]]) -> None:
+        """Dead-letter claimed rows whose message is not a kombu message (reason
+        ``malformed``, the parse error recorded): one bad row never stalls the others."""
+        for row, error in rows:
+            pair = [(row.id, row.claim)]
+            log_event("pgjobs.claim.malformed", job_id=row.id, queue=row.queue,
+                      error=error[:300])
             try:
-                if self._unconfirmed is not None:
-                    # an earlier publish's failure is raised at the next publish, not here
-                    self._unconfirmed.confirm(raise_failed=False)
-                return fn(conn)
-            except psycopg.OperationalError:
-                self._drop_publish_connection()
-                raise
+                hit = self.publishing(lambda c, p=pair, e=error: self.core.bury(
+                    c, p, reason="malformed", error={"code": "PGJ-211", "message": e}))
+            except (psycopg.Error, PgJobsError) as exc:
+                self.forget(pair)  # its lease lapses; it comes back and is buried then
+                log_event("pgjobs.settle.failed", settle="bury", count=1,
+                          error=str(exc).strip().replace("\n", " ")[:300])
+                continue
+            self.settled(pair, hit, "bury")
 
     def publish(self, job: NewJob) -> None:
         held = pending(self)
@@ -300,6 +356,18 @@ class Backend:
             self.settled(acks, hit, "ack")
         return len(acks)
 
+    def flush_pending(self) -> bool:
+        """Flush buffered acks on the publish connection (a new one if it died); what still
+        fails stays buffered for the keeper's next tick. True when nothing is left."""
+        if self.oldest_ack_age() is None:
+            return True
+        try:
+            self.publishing(self.flush_acks)
+        except (psycopg.Error, PgJobsError) as exc:
+            log.warning("pgjobs.ack.flush_failed %s", exc, extra={"action": "flush"})
+            return False
+        return True
+
     def restore_acks(self, acks: list[Pair]) -> None:
         """Put acks back after a failed flush, so the next flush retries them."""
         now = time.monotonic()
@@ -337,15 +405,13 @@ class Backend:
             keeper.stop()
         with self._publish_lock:  # one hold: no publish slips in between
             self._confirm_before_close()
+            conn = self._publish_conn
+            if conn is None or conn.closed or \
+                    conn.pgconn.pipeline_status == psycopg.pq.PipelineStatus.OFF:
+                self.flush_pending()  # on this connection, or a new one if it died
             conn, self._publish_conn = self._publish_conn, None
             self._unconfirmed = None
             if conn is not None and not conn.closed:
-                if conn.pgconn.pipeline_status == psycopg.pq.PipelineStatus.OFF:
-                    try:
-                        self.flush_acks(conn)
-                    except psycopg.Error as exc:
-                        log.warning("pgjobs.ack.flush_failed %s", exc,
-                                    extra={"action": "close"})
                 conn.close()
 
     def _confirm_before_close(self) -> None:
@@ -403,14 +469,16 @@ class Keeper(threading.Thread):
         self.vacuum_wanted = threading.Event()
         self._vacuum_after = 0.0  # monotonic time before which no churn vacuum starts
         self._conn: psycopg.Connection[Any] | None = None
+        # Acks are normally folded into the consumer's next claim or flushed by it within
+        # ack_flush_interval; the keeper flushes them only if nobody did (a kombu user who
+        # acked and stopped draining, a flush that failed), a little later so the two rarely
+        # race.
+        self.ack_grace = max(0.05, 10 * backend.options.ack_flush_interval)
 
     def run(self) -> None:
         b = self.backend
         interval = b.options.tick_interval
-        # Acks are normally folded into the consumer's next claim or flushed by it within
-        # ack_flush_interval; the keeper flushes them only if nobody did (a kombu user who
-        # acked and stopped draining), a little later so the two rarely race.
-        ack_grace = max(0.05, 10 * b.options.ack_flush_interval)
+        ack_grace = self.ack_grace
         next_tick = time.monotonic() + interval
         while not self.stop_event.is_set():
             wake_at = next_tick
@@ -467,6 +535,11 @@ class Keeper(threading.Thread):
         b = self.backend
         conn = self.connection()
         core = b.core
+        age = b.oldest_ack_age()
+        if age is not None and age >= self.ack_grace:
+            # Acks a failed flush put back (a broken connection, a consumer that stopped):
+            # every tick retries them until they settle; fenced, a late one only misses.
+            b.flush_acks(conn)
         held = b.held_pairs()
         if held:
             alive = core.renew(conn, held)

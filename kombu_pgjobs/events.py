@@ -39,6 +39,19 @@ EVENTS: dict[str, tuple[str, str]] = {
     "pgjobs.publish.lost": (
         "PGJ-208", "publishes sent with confirm_publish=False could be neither confirmed nor "
         "sent again before the connection closed: they may not be queued"),
+    "pgjobs.consumer.broken": (
+        "PGJ-209", "the claim connection failed (a terminated backend, a restarted server, a "
+        "failed claim): it reconnects by itself after a backoff; nothing delivered was handed "
+        "back, running tasks keep their leases and their acks stay buffered until they settle"),
+    "pgjobs.consumer.reconnected": (
+        "PGJ-210", "the claim connection is back after a failure (INFO)"),
+    "pgjobs.claim.malformed": (
+        "PGJ-211", "a claimed row's stored message is not a kombu message (not a JSON object "
+        "with a properties object): it was dead-lettered (reason malformed) and the rows "
+        "claimed with it were delivered"),
+    "pgjobs.settle.failed": (
+        "PGJ-212", "a fenced requeue, reject or hand-back failed on a fresh connection too: "
+        "its leases are no longer renewed, so the messages come back when they lapse"),
     "pgjobs.limit.woken": (
         "PGJ-305", "a message parked on a concurrency key with no running holder was woken "
         "by the keeper's safety net"),

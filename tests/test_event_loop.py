@@ -71,9 +71,9 @@ def test_claims_are_sent_from_the_loop_and_delivered_when_their_result_comes_in(
     _consume(conn, "loop", _collect(got, ack=True))
     _publish(conn, loop=30)
     with _hub(conn) as (transport, loop):
-        transport._on_hub_event()
+        transport.consumer.on_hub_event()
         # The claim went out and the loop got its turn back before any row came in.
-        assert transport._inflight is not None and got == []
+        assert transport.consumer.inflight is not None and got == []
         _spin(loop, lambda: len(got) >= 30, 20)
         assert sorted(b["i"] for b in got) == list(range(30)), "each message exactly once"
         _spin(loop, lambda: not _rows(db, schema), 10)
@@ -86,11 +86,11 @@ def test_a_channel_closed_with_its_claim_in_flight_hands_the_rows_back(url, sche
     channel = _consume(conn, "loop", _collect(got, ack=False))
     _publish(conn, loop=5)
     with _hub(conn) as (transport, _):
-        transport._on_hub_event()
-        assert transport._inflight is not None
+        transport.consumer.on_hub_event()
+        assert transport.consumer.inflight is not None
         channel.close()
         assert got == [], "nothing is delivered to a closed channel"
-        assert transport._inflight is None
+        assert transport.consumer.inflight is None
         # Claimed (claim 1) and handed back: ready again, no attempt counted.
         assert _rows(db, schema) == [("ready", 1, 0)] * 5
 
@@ -126,11 +126,11 @@ def test_a_consumer_cancelled_with_its_claim_in_flight_hands_its_rows_back_uncou
                    callbacks=[_collect(got, ack=False)], tag_prefix="other-").consume()
     _publish(conn, loop=5)
     with _hub(conn) as (transport, loop):
-        transport._on_hub_event()
-        assert transport._inflight is not None
+        transport.consumer.on_hub_event()
+        assert transport.consumer.inflight is not None
         loop_tag = next(t for t in channel._consumers if not str(t).startswith("other-"))
         channel.basic_cancel(loop_tag)
-        _spin(loop, lambda: transport._inflight is None, 10)
+        _spin(loop, lambda: transport.consumer.inflight is None, 10)
         assert got == []
         # Claimed (claim 1) and handed back unstarted: ready again, no attempt counted.
         assert _rows(db, schema) == [("ready", 1, 0)] * 5

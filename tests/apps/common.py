@@ -4,6 +4,7 @@ process to record what tasks did. Imports neither kombu_pgjobs nor celery_ext.""
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import psycopg
@@ -43,6 +44,19 @@ def settings(**extra: Any) -> dict[str, Any]:
 def db() -> psycopg.Connection:
     """This process's connection to the test database (autocommit)."""
     global _conn
-    if _conn is None or _conn.closed:
+    if _conn is None or _conn.closed or _conn.broken:
         _conn = psycopg.connect(dsn(), autocommit=True)
     return _conn
+
+
+def execute(query: str, params: Any = None) -> None:
+    """Run a recording statement; once more on a new connection if the server dropped this
+    one (fault tests terminate backends and restart the server under running tasks)."""
+    for attempt in range(20):
+        try:
+            db().execute(query, params)
+            return
+        except psycopg.OperationalError:
+            if attempt == 19:
+                raise
+            time.sleep(0.25)

@@ -12,7 +12,7 @@ import time
 from celery import Celery
 
 from tests.apps import common
-from tests.apps.common import db, settings
+from tests.apps.common import execute, settings
 
 SCHEMA = common.schema()
 
@@ -22,7 +22,7 @@ app.conf.update(settings(
 
 
 def _record(label: str, started: float) -> None:
-    db().execute(
+    execute(
         f'INSERT INTO "{SCHEMA}".pgjobs_test_run (label, pid, started, finished) '
         "VALUES (%s, %s, to_timestamp(%s), clock_timestamp())",
         (label, os.getpid(), started),
@@ -37,7 +37,7 @@ def record(label: str) -> None:
 @app.task(name="sleep_record")
 def sleep_record(label: str, seconds: float) -> None:
     started = time.time()
-    db().execute(
+    execute(
         f'INSERT INTO "{SCHEMA}".pgjobs_test_start (label, pid) VALUES (%s, %s)',
         (label, os.getpid()))
     time.sleep(seconds)

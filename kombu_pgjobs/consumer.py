@@ -1,0 +1,590 @@
+"""The consumer loop of one kombu connection: its claim connection, LISTEN, and what each
+connection state means for the work it holds.
+
+One :class:`ConsumerLoop` per kombu :class:`~kombu_pgjobs.transport.Transport`. It claims for the
+channels of that connection, delivers what it claimed, folds buffered acks into its claims, and
+waits — in ``drain_events`` (Celery's synchronous loop, plain kombu) or as readers and timers in
+Celery's event loop (the kombu Hub).
+
+States of the claim connection, and what each transition does to held, buffered and in-flight
+work (the only place that decides it is :meth:`ConsumerLoop._broken` and :meth:`close`):
+
+``disconnected``
+    No claim connection. The next claim opens one (and LISTENs once the connection consumes).
+``connected``
+    Idle or claiming synchronously.
+``in_flight``
+    A claim was sent from the Hub and its result is not read yet; nothing else may use the
+    connection. Its rows are delivered when the result comes in; a channel that closes
+    meanwhile hands its rows back unstarted (no attempt counted).
+``broken``
+    A statement or the connection failed. The connection is closed (its Hub reader removed
+    first: a new socket may reuse the number). The acks an in-flight claim carried go back to
+    the process's ack buffer (fenced: a retry can only miss, never double-settle); its queues
+    are marked for a new claim. **Nothing delivered is handed back**: prefetched messages stay
+    with Celery and run, running tasks keep their leases (the keeper renews them on its own
+    connection) and their acks reach the buffer whatever happened here. After a backoff
+    (0.1 s doubling to 5 s) the next claim reconnects. A broken database connection is
+    therefore not a kombu connection loss: Celery never restarts its consumer for it, so it
+    never drops or re-delivers what it holds.
+``closed``
+    The kombu connection closed: an in-flight claim is finished and its rows handed back,
+    Hub readers and timers are removed, the connection and the self-pipe are closed.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import select
+import threading
+import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import psycopg
+from psycopg import sql
+
+from .core import Claimed, ClaimResult, Pair
+from .errors import DatabaseUnavailable, PgJobsError
+from .events import log_event
+from .inflight import SUPPORTED, InFlight
+
+if TYPE_CHECKING:
+    from .backend import Backend
+    from .transport import Channel, Transport
+
+__all__ = ["ConsumerLoop", "State", "is_connection_failure", "refill_mark"]
+
+log = logging.getLogger("kombu_pgjobs")
+
+#: Reconnect backoff after a failure: first wait, and the most it grows to.
+BACKOFF_FIRST = 0.1
+BACKOFF_MAX = 5.0
+
+
+class State(enum.Enum):
+    DISCONNECTED = "disconnected"
+    CONNECTED = "connected"
+    IN_FLIGHT = "in_flight"
+    BROKEN = "broken"
+    CLOSED = "closed"
+
+
+def refill_mark(window: int) -> int:
+    """Free slots at which a channel with a prefetch window claims again: half the window."""
+    return max(1, window // 2)
+
+
+def is_connection_failure(exc: BaseException, conn: psycopg.Connection[Any] | None) -> bool:
+    """Whether ``exc`` means the connection is gone (as opposed to a statement that failed on
+    a healthy connection: a lock timeout, a constraint)."""
+    if isinstance(exc, DatabaseUnavailable | psycopg.InterfaceError):
+        return True
+    if isinstance(exc, psycopg.OperationalError):
+        return conn is None or conn.closed or conn.broken
+    return False
+
+
+class ConsumerLoop:
+    """Claims, deliveries and waits of one kombu connection (see the module docstring)."""
+
+    def __init__(self, transport: Transport) -> None:
+        self.transport = transport
+        self.options = transport.options
+        self.lock = threading.RLock()
+        self.state = State.DISCONNECTED
+        self.conn: psycopg.Connection[Any] | None = None
+        self.listening = False
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self.dirty: set[str] = set()
+        self.again = False  # a claim held rows back by a limit: claim again at once
+        self.due_at: float | None = None
+        self.next_poll = 0.0
+        self._ack_listener = False
+        # after a failure: no claim before retry_at; the backoff doubles while failures last
+        self.retry_at = 0.0
+        self._backoff = 0.0
+        self._failing = False  # an outage is under way (logged once when it starts and ends)
+        # Celery's event loop (kombu Hub), when the worker runs one
+        self.hub: Any = None
+        self._hub_fds: list[int] = []
+        self._hub_timer: Any = None
+        self._hub_timer_at = 0.0
+        self._hub_conn: psycopg.Connection[Any] | None = None  # whose socket the hub watches
+        # A claim sent from the Hub whose result is not read yet: (InFlight, channel, queues,
+        # acks). The claim connection does nothing else meanwhile.
+        self.inflight: tuple[InFlight, Channel, list[str], list[Pair]] | None = None
+        self.next_channel = 0  # where the next pump starts among the channels (round robin)
+
+    @property
+    def backend(self) -> Backend:
+        return self.transport.backend
+
+    # -- the claim connection --------------------------------------------------------------
+    def claim_conn(self) -> psycopg.Connection[Any]:
+        """The claim connection (under ``lock``), opened on first use or after a failure."""
+        conn = self.conn
+        if conn is None or conn.closed:
+            conn = self.conn = self.backend.connect(hot=True)
+            self.state = State.CONNECTED
+            self.listening = False
+            if self.options.use_listen_notify:
+                conn.add_notify_handler(lambda n: self.dirty.add(n.payload))
+            self.dirty.update(self.transport._callbacks)  # anything may have arrived meanwhile
+            if self._failing:
+                self._failing = False
+                log_event("pgjobs.consumer.reconnected", logging.INFO)
+            self._backoff = 0.0
+        if not self._ack_listener:
+            self.backend.add_ack_listener(self.poke)
+            self._ack_listener = True
+        return conn
+
+    def _listen(self, want: bool) -> None:
+        """LISTEN while this connection consumes, UNLISTEN when it stops: a session that
+        listens and never reads holds the server's notification queue (cluster-wide) back."""
+        if want == self.listening or not self.options.use_listen_notify:
+            return
+        conn = self.claim_conn()
+        channel = sql.Identifier(self.backend.core.channel)
+        conn.execute(sql.SQL("LISTEN {}" if want else "UNLISTEN {}").format(channel))
+        self.listening = want
+
+    def stop_listening(self) -> None:
+        """The connection's last consumer was cancelled (a basic_get caller, a reply
+        consumer of ``celery inspect`` done with its replies)."""
+        with self.lock:
+            if self.listening and self.inflight is None and self.state is not State.BROKEN:
+                try:
+                    self._listen(False)
+                except Exception as exc:
+                    self._broken(exc, "unlisten")
+
+    def _consuming(self) -> bool:
+        return any(ch._consumers and not ch.closed for ch in self.transport.channels)
+
+    def _drop_conn(self) -> None:
+        """Close the claim connection; its Hub reader goes first (by connection: a new
+        socket may reuse the number, and the Hub must not lose another reader of it)."""
+        conn, self.conn = self.conn, None
+        self.listening = False
+        if conn is None:
+            return
+        if self.hub is not None and self._hub_conn is conn:
+            fd = self._hub_fds[-1] if len(self._hub_fds) > 1 else None
+            if fd is not None:
+                self.hub.remove_reader(fd)
+                self._hub_fds = self._hub_fds[:-1]
+            self._hub_conn = None
+        try:
+            conn.close()
+        except Exception:  # pragma: no cover - closing a dead socket
+            pass
+
+    def _broken(self, exc: BaseException, action: str) -> None:
+        """A claim, a flush or a read failed: the ``broken`` transition (module docstring)."""
+        with self.lock:
+            if self.inflight is not None:
+                _, _, queues, acks = self.inflight
+                self.inflight = None
+                self.backend.restore_acks(acks)
+                self.dirty.update(queues)
+            self._drop_conn()
+            self.state = State.BROKEN
+            self._backoff = min(BACKOFF_MAX, max(BACKOFF_FIRST, self._backoff * 2))
+            self.retry_at = time.monotonic() + self._backoff
+            self.dirty.update(self.transport._callbacks)
+            if not self._failing:
+                self._failing = True
+                log_event("pgjobs.consumer.broken", action=action,
+                          error=str(exc).strip().replace("\n", " ")[:300])
+
+    def _may_claim(self) -> bool:
+        return self.state is not State.BROKEN or time.monotonic() >= self.retry_at
+
+    # -- wake-ups ---------------------------------------------------------------------------
+    def poke(self) -> None:
+        """Wake the consumer loop (thread-safe: a byte on the self-pipe)."""
+        try:
+            os.write(self._wake_w, b"x")
+        except (BlockingIOError, OSError):
+            pass
+
+    def mark_dirty(self, queues: Iterable[str]) -> None:
+        self.dirty.update(queues)
+
+    def read_wakeups(self) -> None:
+        """Empty the self-pipe and take pending notifications (never blocks)."""
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+        conn = self.conn
+        if self.listening and conn is not None and not conn.closed and self.inflight is None:
+            with self.lock:
+                try:
+                    pg = conn.pgconn
+                    pg.consume_input()
+                    while (n := pg.notifies()) is not None:
+                        self.dirty.add(n.extra.decode("utf-8", "replace"))
+                except psycopg.Error as exc:
+                    self._broken(exc, "listen")
+
+    # -- claims -----------------------------------------------------------------------------
+    def claim_for(self, channel: Channel, queues: list[str], n: int, *,
+                  no_ack: bool = False) -> list[Claimed]:
+        """Claim up to ``n`` for ``channel`` and wait for the rows (acks ride along). A
+        connection found dead is replaced once: a claim that never reached the server is
+        safe to send again, and one that did leaves rows that come back at lease expiry."""
+        backend = self.backend
+        with self.lock:
+            self.finish_inflight()
+            for attempt in (1, 2):
+                conn = self.claim_conn()
+                # Clear before the claim: a NOTIFY read together with its result re-marks
+                # the queue (notify handler) and must not be erased by a later clear.
+                self.dirty.difference_update(queues)
+                acks = backend.take_acks()
+                try:
+                    result = backend.core.claim(conn, queues, n, acks)
+                except BaseException as exc:
+                    backend.restore_acks(acks)
+                    self.dirty.update(queues)
+                    if attempt == 1 and is_connection_failure(exc, conn):
+                        self._drop_conn()
+                        self.state = State.DISCONNECTED
+                        continue
+                    if not isinstance(exc, Exception) or is_connection_failure(exc, conn):
+                        self._drop_conn()
+                        self.state = State.DISCONNECTED
+                    raise
+                return self._claimed(channel, queues, acks, result, no_ack=no_ack)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _start_claim(self, channel: Channel, queues: list[str], n: int) -> None:
+        """Send a claim from Celery's event loop and return; :meth:`poll_inflight` reads it."""
+        backend = self.backend
+        with self.lock:
+            conn = self.claim_conn()
+            self.dirty.difference_update(queues)
+            acks = backend.take_acks()
+            query, params = backend.core.claim_statement(queues, n, acks)
+            self.inflight = (InFlight(conn, query, params), channel, queues, acks)
+            self.state = State.IN_FLIGHT
+
+    def poll_inflight(self, *, block: bool = False) -> list[Claimed]:
+        """Read the claim in flight if its result is in (or wait for it): deliverable rows.
+        Raises what the claim raised (the caller decides: :meth:`_broken`)."""
+        if self.inflight is None:
+            return []
+        with self.lock:
+            if self.inflight is None:
+                return []
+            pending, channel, queues, acks = self.inflight
+            timeout = self.options.connect_timeout + self.options.lease_ttl if block else None
+            done = pending.wait(timeout) if block else pending.poll()
+            if not done:
+                if block:
+                    raise DatabaseUnavailable("a claim's result did not come in time")
+                return []
+            self.inflight = None
+            self.state = State.CONNECTED
+            result = self.backend.core.claim_result(pending.rows())
+            rows = self._claimed(channel, queues, acks, result, no_ack=False)
+        closed = channel.closed or channel.closing or not channel._consumers
+        callbacks = self.transport._callbacks
+        orphans = [r for r in rows if closed or r.queue not in callbacks]
+        if orphans:
+            rows = [r for r in rows if not closed and r.queue in callbacks]
+            # Their consumer went away while the claim was in flight: hand them back unstarted
+            # (no attempt counted), and stop renewing them whatever happens.
+            channel.settle([(r.id, r.claim) for r in orphans], requeue=True, uncount=True)
+        return rows
+
+    def finish_inflight(self) -> None:
+        """Before any other use of the claim connection: complete the claim in flight and
+        deliver what it took (a failure is the ``broken`` transition)."""
+        if self.inflight is None:
+            return
+        try:
+            rows = self.poll_inflight(block=True)
+        except Exception as exc:
+            self._broken(exc, "claim")
+            return
+        self.deliver(rows)
+
+    def channel_closing(self, channel: Channel) -> None:
+        """A claim in flight for a closing channel: wait for it and hand its rows back."""
+        with self.lock:
+            inflight = self.inflight
+            if inflight is not None and inflight[1] is channel:
+                try:
+                    self.poll_inflight(block=True)
+                except Exception as exc:
+                    self._broken(exc, "close")
+
+    def _claimed(self, channel: Channel, queues: list[str], acks: list[Pair],
+                 result: ClaimResult, *, no_ack: bool) -> list[Claimed]:
+        """Account for a claim's result: settled acks, held leases, what to claim next."""
+        backend = self.backend
+        hit = result.acked
+        if result.unsettled:  # a key's lock was busy: settle them now, waiting
+            try:
+                hit = hit | backend.core.ack(self.claim_conn(), result.unsettled)
+            except psycopg.Error as exc:
+                # The claim itself committed: deliver what it took, and let the next flush
+                # retry these acks (fenced, so a retry can only miss, never double-settle).
+                log.warning("pgjobs.ack.flush_failed %s", exc, extra={"action": "ack"})
+                backend.restore_acks(result.unsettled)
+                acks = [p for p in acks if p not in result.unsettled]
+                if is_connection_failure(exc, self.conn):
+                    self._drop_conn()
+                    self.state = State.DISCONNECTED
+        if acks:
+            backend.settled(acks, hit, "ack")
+        if result.claimed:
+            held = []
+            for r in result.claimed:
+                if no_ack or r.queue in channel._no_ack_queues:
+                    backend.buffer_ack(r.id, r.claim)  # settled once delivered
+                else:
+                    held.append((r.id, r.claim))
+            if held:
+                backend.hold(held)
+        if any(h.verdict != "busy" for h in result.held_back):
+            # A limit parked, deferred or refused candidates: they left the claim's index, so
+            # the next claim reaches the rows behind them. Claim again now.
+            self.again = True
+        elif result.held_back:
+            # Only keys another claim is changing right now: try again very soon, not at once.
+            self._due(time.monotonic() + 0.005)
+        if not result.drained:
+            self.dirty.update(queues)  # more may be waiting
+        elif result.due_in is not None:
+            self._due(time.monotonic() + max(result.due_in, 0.0))
+        return result.claimed
+
+    def _due(self, at: float) -> None:
+        if self.due_at is None or at < self.due_at:
+            self.due_at = at
+
+    def deliver(self, rows: list[Claimed]) -> int:
+        """Hand claimed rows to their consumers. A row whose stored message is not a kombu
+        message (written by hand, or by another program) is dead-lettered, reason
+        ``malformed``; the rows claimed with it are delivered."""
+        transport = self.transport
+        bad: list[tuple[Claimed, str]] = []
+        for row in rows:
+            try:
+                message = transport.to_message(row)
+            except ValueError as exc:
+                bad.append((row, str(exc)))
+                continue
+            transport._deliver(message, row.queue)
+        if bad:
+            self.backend.bury_malformed(bad)
+        return len(rows) - len(bad)
+
+    # -- the loop ---------------------------------------------------------------------------
+    def pump(self, *, on_hub: bool = False) -> int:
+        """Claim and deliver for every channel whose window is open enough; flush acks.
+        ``on_hub``: a claim is sent and left in flight (one at a time); its rows are delivered
+        when its result comes in, by a later call. Database failures never leave this method:
+        they are the ``broken`` transition, retried after a backoff."""
+        self.again = False
+        if not self._may_claim():
+            return 0
+        try:
+            return self._pump(on_hub)
+        except (psycopg.Error, PgJobsError) as exc:
+            self._broken(exc, "claim")
+            return 0
+
+    def _pump(self, on_hub: bool) -> int:
+        delivered = 0
+        if on_hub and self.inflight is not None:
+            delivered += self.deliver(self.poll_inflight())
+            if self.inflight is not None:
+                return delivered  # the claim connection is busy until its result is read
+        transport = self.transport
+        now = time.monotonic()
+        if now >= self.next_poll:
+            self.dirty.update(transport._callbacks)
+            self.next_poll = now + (self.options.idle_poll_interval if self.listening
+                                    else transport.polling_interval)
+        if self.due_at is not None and now >= self.due_at:
+            self.due_at = None
+            self.dirty.update(transport._callbacks)
+        age = self.backend.oldest_ack_age()
+        acks_due = age is not None and age >= self.options.ack_flush_interval
+        channels = list(transport.channels)
+        if self._consuming() and not self.listening:
+            with self.lock:
+                self._listen(True)
+        first = self.next_channel % len(channels) if channels else 0
+        for index, channel in enumerate(channels[first:] + channels[:first], first):
+            if not channel._consumers or channel.closed:
+                continue
+            queues = [q for q in channel._active_queues if q in self.dirty]
+            if not queues:
+                continue
+            qos = channel.qos
+            free = qos.can_consume_max_estimate()
+            if free is None:
+                free = self.options.max_claim
+            if free <= 0:
+                continue
+            window = qos.prefetch_count or free
+            unacked = len(qos._delivered) - len(qos._dirty)
+            if free < refill_mark(window) and unacked > 0 and not acks_due:
+                # Refill at the low-water mark, not per freed slot; but acks that are due
+                # ride on a claim (which also refills) rather than on a statement of their own.
+                continue
+            n = min(free, self.options.max_claim)
+            acks_due = False
+            if on_hub and self.listening and SUPPORTED:
+                # The result is read when the claim socket turns readable: LISTEN has it
+                # registered with the Hub (see hub_rearm).
+                self._start_claim(channel, queues, n)
+                # One claim in flight: the next pump starts with the next channel, so a busy
+                # task queue cannot starve Celery's remote-control channel.
+                self.next_channel = index + 1
+                return delivered
+            delivered += self.deliver(self.claim_for(channel, queues, n))
+        if acks_due:  # nothing to claim (and no claim in flight): the acks go alone
+            with self.lock:
+                self.backend.flush_acks(self.claim_conn())
+        return delivered
+
+    def wait_budget(self, now: float) -> float:
+        """Seconds until something is due: a poll, an ETA, an ack flush, a reconnect."""
+        if self.state is State.BROKEN:
+            return max(self.retry_at - now, 0.0)
+        wait = self.next_poll - now
+        if self.due_at is not None:
+            wait = min(wait, self.due_at - now)
+        age = self.backend.oldest_ack_age()
+        if age is not None and self.inflight is None:  # a claim's result wakes us anyway
+            wait = min(wait, self.options.ack_flush_interval - age)
+        if self.dirty and self._consuming():
+            # Work may be waiting but the window is closed: an ack pokes us; check anyway.
+            wait = min(wait, 1.0)
+        return max(wait, 0.0)
+
+    def _wait(self, timeout: float) -> None:
+        poller = select.poll()
+        poller.register(self._wake_r, select.POLLIN)
+        conn = self.conn
+        if self.listening and conn is not None and not conn.closed:
+            poller.register(conn.fileno(), select.POLLIN)
+        try:
+            poller.poll(max(timeout, 0.0) * 1000)
+        except InterruptedError:  # pragma: no cover
+            return
+        self.read_wakeups()
+
+    def drain_events(self, timeout: float | None = None) -> None:
+        """kombu's ``drain_events``: deliver at least one message or raise TimeoutError. A
+        database outage looks like an empty queue here: the loop reconnects by itself."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if self.pump():
+                return
+            if self.again:
+                continue
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                raise TimeoutError()
+            wait = self.wait_budget(now)
+            if deadline is not None:
+                wait = min(wait, deadline - now)
+            self._wait(wait)
+
+    # -- Celery's event loop (asynloop): readers on the LISTEN socket and the self-pipe -----
+    def register_with_event_loop(self, loop: Any) -> None:
+        self.hub = loop
+        with self.lock:
+            try:
+                self.claim_conn()
+            except (psycopg.Error, PgJobsError) as exc:
+                self._broken(exc, "connect")
+        self.hub_rearm()
+        loop.call_soon(self.on_hub_event)
+
+    def unregister_from_event_loop(self, loop: Any) -> None:
+        for fd in self._hub_fds:
+            loop.remove_reader(fd)
+        self._hub_fds = []
+        self._hub_conn = None
+        if self._hub_timer is not None:
+            self._hub_timer.cancel()
+            self._hub_timer = None
+        self.hub = None
+
+    def hub_rearm(self) -> None:
+        """(Re)register readers: the claim connection's socket changes on reconnect."""
+        hub = self.hub
+        if hub is None or self.state is State.CLOSED:
+            return
+        conn = self.conn if self.listening else None
+        if self._hub_fds and conn is self._hub_conn:
+            return
+        # By connection, not fd number: a new socket may get a closed one's number.
+        for fd in self._hub_fds:
+            hub.remove_reader(fd)
+        self._hub_fds = [self._wake_r]
+        hub.add_reader(self._wake_r, self.on_hub_event)
+        if conn is not None and not conn.closed:
+            self._hub_fds.append(conn.fileno())
+            hub.add_reader(conn.fileno(), self.on_hub_event)
+        self._hub_conn = conn
+
+    def on_hub_event(self, *args: Any) -> None:
+        hub = self.hub
+        if hub is None or self.state is State.CLOSED:
+            return
+        self.read_wakeups()
+        delivered = self.pump(on_hub=True)
+        self.hub_rearm()
+        if delivered or self.again:
+            hub.call_soon(self.on_hub_event)  # more may be waiting: keep draining
+            return
+        now = time.monotonic()
+        # At most a second: Celery's warm shutdown is a flag its loop checks between events.
+        at = now + min(self.wait_budget(now), 1.0)
+        if self._hub_timer is None or at < self._hub_timer_at or self._hub_timer_at <= now:
+            if self._hub_timer is not None:
+                self._hub_timer.cancel()
+            self._hub_timer = hub.call_later(max(at - now, 0.0), self.on_hub_event)
+            self._hub_timer_at = at
+
+    # -- closing ----------------------------------------------------------------------------
+    def close(self) -> None:
+        """The ``closed`` transition: an in-flight claim is finished and its rows go back
+        (their channels are closing), the connection and the self-pipe close."""
+        if self.state is State.CLOSED:
+            return
+        if self._ack_listener:
+            self.backend.remove_ack_listener(self.poke)
+            self._ack_listener = False
+        with self.lock:
+            if self.inflight is not None:
+                # Its claim's rows come back when their leases lapse; its acks go with the
+                # next flush (fenced: a retry can only miss).
+                self.backend.restore_acks(self.inflight[3])
+                self.inflight = None
+            if self.hub is not None:
+                self.unregister_from_event_loop(self.hub)
+            self._drop_conn()
+            self.state = State.CLOSED
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._wake_r = self._wake_w = -1
