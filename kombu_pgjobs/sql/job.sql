@@ -1,9 +1,12 @@
 -- name: job_insert :exec
 -- Publish one message. The queue's x-message-ttl applies unless the message has its own
--- expiration. The insert trigger sends one NOTIFY for the queue.
+-- expiration. A message due later is flagged delayed (out of the claim index until due). The
+-- insert trigger sends one NOTIFY for the queue.
 INSERT INTO {schema}.pgjobs_job
-       (queue, priority, run_at, expires_at, max_attempts, task, limits, limit_key, message)
+       (queue, priority, run_at, delayed, expires_at, max_attempts, task, limits, limit_key,
+        message)
 SELECT %(queue)s, %(priority)s, coalesce(%(run_at)s, now()),
+       coalesce(%(run_at)s > now(), false),
        now() + make_interval(secs => coalesce(%(ttl_ms)s, q.message_ttl_ms) / 1000.0),
        %(max_attempts)s, %(task)s, %(limits)s::jsonb,
        %(limits)s::jsonb -> 'concurrency' -> 0 ->> 'key', %(message)s
@@ -15,8 +18,9 @@ SELECT %(queue)s, %(priority)s, coalesce(%(run_at)s, now()),
 -- Text arrays are sent in binary: no per-element quoting of JSON on the client. Ids follow
 -- the order of the batch (ORDER BY the ordinality), so FIFO holds within a batch.
 INSERT INTO {schema}.pgjobs_job
-       (queue, priority, run_at, expires_at, max_attempts, task, limits, limit_key, message)
-SELECT m.queue, m.priority, coalesce(m.run_at, now()),
+       (queue, priority, run_at, delayed, expires_at, max_attempts, task, limits, limit_key,
+        message)
+SELECT m.queue, m.priority, coalesce(m.run_at, now()), coalesce(m.run_at > now(), false),
        now() + make_interval(secs => coalesce(m.ttl_ms, q.message_ttl_ms) / 1000.0),
        m.max_attempts, m.task, m.limits::jsonb, m.limits::jsonb -> 'concurrency' -> 0 ->> 'key',
        m.message
@@ -30,8 +34,10 @@ SELECT m.queue, m.priority, coalesce(m.run_at, now()),
 -- name: job_insert_fanout :exec
 -- Publish one message to every queue bound to a fanout exchange (one row per queue).
 INSERT INTO {schema}.pgjobs_job
-       (queue, priority, run_at, expires_at, max_attempts, task, limits, limit_key, message)
+       (queue, priority, run_at, delayed, expires_at, max_attempts, task, limits, limit_key,
+        message)
 SELECT b.queue, %(priority)s, coalesce(%(run_at)s, now()),
+       coalesce(%(run_at)s > now(), false),
        now() + make_interval(secs => coalesce(%(ttl_ms)s, q.message_ttl_ms) / 1000.0),
        %(max_attempts)s, %(task)s, %(limits)s::jsonb,
        %(limits)s::jsonb -> 'concurrency' -> 0 ->> 'key', %(message)s
@@ -89,20 +95,35 @@ WITH given AS (
       FROM acked GROUP BY queue
     ON CONFLICT (queue, outcome, bucket, shard) DO UPDATE SET n = c.n + excluded.n
 ), candidates AS (
-    -- Per queue (so each queue's index order is used), the best due rows nobody holds.
+    -- Per queue (so each queue's index order is used), the best due rows nobody holds: from
+    -- the claim index (rows not flagged delayed, read in claim order), and from the delayed
+    -- index the flagged rows already due (few: the keeper clears the flag of due rows), merged
+    -- in claim order. Rows not yet due are in neither path (see 0006_delayed.sql).
     SELECT c.id, c.queue, c.priority, c.run_at, c.claim, c.limits
       FROM unnest(%(queues)s::text[]) AS wanted(name)
       LEFT JOIN {schema}.pgjobs_queue AS q ON q.name = wanted.name
      CROSS JOIN LATERAL (
-            SELECT j.id, j.queue, j.priority, j.run_at, j.claim, j.limits
-              FROM {schema}.pgjobs_job AS j
-             WHERE j.queue = wanted.name
-               AND j.state = 'ready'
-               AND j.run_at <= now()
-               AND (j.expires_at IS NULL OR j.expires_at > now())
-             ORDER BY j.priority DESC, j.run_at, j.id
-             LIMIT {limit}
-               FOR UPDATE SKIP LOCKED
+            SELECT * FROM (
+             SELECT j.id, j.queue, j.priority, j.run_at, j.claim, j.limits
+               FROM {schema}.pgjobs_job AS j
+              WHERE j.queue = wanted.name
+                AND j.state = 'ready' AND NOT j.delayed
+                AND j.run_at <= now()
+                AND (j.expires_at IS NULL OR j.expires_at > now())
+              ORDER BY j.priority DESC, j.run_at, j.id
+              LIMIT {limit}
+                FOR UPDATE SKIP LOCKED) AS undelayed
+            UNION ALL
+            SELECT * FROM (
+             SELECT j.id, j.queue, j.priority, j.run_at, j.claim, j.limits
+               FROM {schema}.pgjobs_job AS j
+              WHERE j.queue = wanted.name
+                AND j.state = 'ready' AND j.delayed
+                AND j.run_at <= now()
+                AND (j.expires_at IS NULL OR j.expires_at > now())
+              ORDER BY j.priority DESC, j.run_at, j.id
+              LIMIT {limit}
+                FOR UPDATE SKIP LOCKED) AS due_delayed
            ) AS c
      WHERE q.paused IS NOT TRUE
        AND (SELECT count(*) FROM released) >= 0  -- slots are released before any admission
@@ -124,6 +145,7 @@ WITH given AS (
     -- Take the lease: bump the fence, count the attempt, name the holder.
     UPDATE {schema}.pgjobs_job AS j
        SET state = 'running',
+           delayed = false,
            claim = j.claim + 1,
            attempts = j.attempts + 1,
            lease_expires_at = now() + make_interval(secs => %(ttl)s),
@@ -146,9 +168,15 @@ SELECT 'h', a.id, NULL, NULL, (a.v).verdict, NULL, (a.v).on_key
   FROM admitted AS a WHERE (a.v).verdict <> 'ok'
 UNION ALL
 SELECT 'n', NULL, NULL, NULL, NULL,
-       (SELECT extract(epoch FROM min(j.run_at) - now())::float8
-          FROM {schema}.pgjobs_job AS j
-         WHERE j.queue = ANY(%(queues)s::text[]) AND j.state = 'ready' AND j.run_at > now()),
+       -- the first entry after now() of each queue in the delayed index
+       (SELECT extract(epoch FROM min(d.run_at) - now())::float8
+          FROM unnest(%(queues)s::text[]) AS wanted(name)
+         CROSS JOIN LATERAL (
+                SELECT j.run_at FROM {schema}.pgjobs_job AS j
+                 WHERE j.queue = wanted.name AND j.state = 'ready' AND j.delayed
+                   AND j.run_at > now()
+                 ORDER BY j.run_at
+                 LIMIT 1) AS d),
        NULL
  WHERE (SELECT count(*) FROM claimed) < %(n)s
    AND NOT EXISTS (SELECT 1 FROM admitted AS a WHERE (a.v).verdict <> 'ok')
@@ -184,7 +212,8 @@ WITH held AS (
            attempts = CASE WHEN %(uncount)s THEN greatest(j.attempts - 1, 0) ELSE j.attempts END,
            lease_expires_at = NULL,
            worker = NULL,
-           run_at = now()
+           run_at = now(),
+           delayed = false
       FROM held
      WHERE j.id = held.id AND held.outcome = 'requeued'
     RETURNING j.id, j.queue
@@ -262,6 +291,8 @@ RETURNING j.id;
 --  * lapsed leases: a row with attempts left goes back to ready (and wakes its consumers); a
 --    row on its final attempt is buried as dead, never handed out again;
 --  * expired ready messages (x-message-ttl, per-message expiration) are dropped;
+--  * delayed rows of the queues this process consumes that are now due are moved into the
+--    claim index (their delayed flag cleared; see 0006_delayed.sql);
 --  * queues this process consumes are marked in use (x-expires), and the process is recorded
 --    as a live consumer (pgjobs_consumer; rows unseen for 3 ticks are dropped);
 --  * queues unused past their x-expires (at least %(grace)s seconds, so a live consumer's touch
@@ -303,7 +334,7 @@ WITH lapsed AS (
     RETURNING id, queue
 ), requeued AS (
     UPDATE {schema}.pgjobs_job AS j
-       SET state = 'ready', lease_expires_at = NULL, worker = NULL
+       SET state = 'ready', lease_expires_at = NULL, worker = NULL, delayed = false
       FROM lapsed
      WHERE j.id = lapsed.id AND j.attempts < coalesce(j.max_attempts, %(max_attempts)s)
        AND j.cancelled_at IS NULL
@@ -324,6 +355,22 @@ WITH lapsed AS (
              LIMIT %(limit)s)
        AND j.state = 'waiting'
     RETURNING j.id, j.queue
+), promoted AS (
+    -- Delayed rows now due, of the queues this process consumes, move into the claim index
+    -- (the claim takes them from the delayed index meanwhile, so this is upkeep, not a wake-up:
+    -- no NOTIFY). Rows a claim holds are skipped.
+    UPDATE {schema}.pgjobs_job AS j
+       SET delayed = false
+      FROM (SELECT d.id
+              FROM unnest(%(consumed)s::text[]) AS q(name)
+             CROSS JOIN LATERAL (
+                    SELECT x.id FROM {schema}.pgjobs_job AS x
+                     WHERE x.queue = q.name AND x.state = 'ready' AND x.delayed
+                       AND x.run_at <= now()
+                     ORDER BY x.run_at
+                     LIMIT %(limit)s
+                       FOR UPDATE SKIP LOCKED) AS d) AS due
+     WHERE j.id = due.id
 ), old_slots AS (
     -- Free slot rows untaken for an hour (a key nobody uses any more), under the key's lock.
     DELETE FROM {schema}.pgjobs_slot AS sl
