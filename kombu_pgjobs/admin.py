@@ -507,7 +507,8 @@ class Admin:
                 "marked": sorted(r[1] for r in rows if r[0] == "marked")}
 
     def purge(self, queue: str, *, limit: int | None = None) -> dict[str, Any]:
-        """Delete up to ``limit`` ready and delayed messages of a queue; running ones finish."""
+        """Delete up to ``limit`` ready, delayed and waiting messages of a queue; running ones
+        finish."""
         self.require_queue(queue)
         bound = _bulk_limit(limit)
         purged = int(self._one("admin_purge", {

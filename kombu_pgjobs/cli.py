@@ -233,7 +233,7 @@ def _render_migrate(result: dict[str, Any]) -> str:
 
 
 def cmd_queues(args: argparse.Namespace) -> dict[str, Any]:
-    """Per queue: ready, delayed, running, dead, paused, oldest ready age, recent throughput."""
+    """Per queue: ready, delayed, running, waiting, dead, paused, oldest ready age, throughput."""
     with _admin(args) as admin:
         return {"minutes": args.minutes, "queues": admin.queues(args.queue, minutes=args.minutes)}
 
@@ -405,7 +405,7 @@ def cmd_requeue(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_cancel(args: argparse.Namespace) -> dict[str, Any]:
-    """Cancel messages: ready/delayed ones are deleted, running ones marked so they never return.
+    """Cancel messages: ready/delayed/waiting ones are deleted, running ones marked to not return.
 
     A running message's holder may still finish and ack it; a requeue or a lapsed lease deletes
     it instead of bringing it back."""
@@ -424,7 +424,7 @@ def _render_cancel(r: dict[str, Any]) -> str:
 
 
 def cmd_purge(args: argparse.Namespace) -> dict[str, Any]:
-    """Delete a queue's ready and delayed messages (bounded by --limit); running ones finish."""
+    """Delete a queue's ready, delayed and waiting messages (bounded by --limit); running finish."""
     with _admin(args) as admin:
         return admin.purge(args.queue, limit=args.limit)
 
@@ -607,7 +607,7 @@ def _resolve(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="pgjobs", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="pgjobs", description=__doc__.splitlines()[0].replace("``", ""))
     _global_args(parser)
     common = _Parser(add_help=False)
     _global_args(common)
