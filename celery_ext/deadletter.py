@@ -32,7 +32,7 @@ from kombu_pgjobs.transport import parse_tag
 from .retry import rule_of
 from .state import installed
 
-__all__ = ["on_task_failure", "rebuild_message"]
+__all__ = ["on_task_failure", "rebuild_message", "storable"]
 
 log = logging.getLogger("celery_ext")
 
@@ -99,13 +99,27 @@ def rebuild_message(task: Any, request: Any) -> dict[str, Any]:
     }
 
 
+def storable(text: str) -> str:
+    """Text an operator reads, made storable in a ``jsonb`` column: a NUL (which jsonb refuses)
+    becomes the visible escape ``\\x00`` and a lone surrogate (which no UTF-8 reader takes)
+    ``\\udc80``. Never refused: a failure whose text the database would reject must still be
+    dead-lettered (its message was already acked; the failure would be gone)."""
+    if "\x00" in text:
+        text = text.replace("\x00", "\\x00")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text
+
+
 def _error(task: Any, request: Any, exc: BaseException, einfo: Any) -> dict[str, Any]:
     text = getattr(einfo, "traceback", None) or "".join(
         tb_module.format_exception(type(exc), exc, exc.__traceback__))
     return {
-        "type": f"{type(exc).__module__}.{type(exc).__qualname__}",
-        "message": str(exc)[:_MAX_TEXT],
-        "traceback": str(text)[-_MAX_TEXT:],
+        "type": storable(f"{type(exc).__module__}.{type(exc).__qualname__}"),
+        "message": storable(str(exc)[:_MAX_TEXT]),
+        "traceback": storable(str(text)[-_MAX_TEXT:]),
         "rule": rule_of(exc),
         "task_id": request.id,
         "retries": request.retries,

@@ -128,9 +128,10 @@ def _rate(rate: Any) -> tuple[int, float]:
 def _key_value(task: Any, fn: Callable[..., Any], args: Any, kwargs: Any) -> str:
     try:
         value = fn(*(args or ()), **(kwargs or {}))
-    except (TypeError, KeyError, IndexError, AttributeError) as exc:
+    except Exception as exc:  # whatever the app's function raises: the publisher's mistake
         raise InvalidLimitKey(
-            f"concurrency_key of task {task.name} failed on the task's arguments: {exc}") from exc
+            f"concurrency_key of task {task.name} failed on the task's arguments: "
+            f"{type(exc).__name__}: {exc}") from exc
     return check_key(value, f"concurrency key of task {task.name}")
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import socket
 import threading
 import time
@@ -127,6 +128,38 @@ def _number(name: str, value: Any, *, minimum: float, maximum: float) -> float:
     return number
 
 
+#: A UTF-16 surrogate escape in dumped JSON, a valid pair, or any other escape (consumed whole,
+#: so an escaped backslash before "u" is never read as the start of an escape).
+_ESCAPE = re.compile(r"\\ud[89ab][0-9a-f]{2}\\ud[c-f][0-9a-f]{2}|\\(ud[89a-f][0-9a-f]{2})|\\.")
+
+
+def _message_json(message: Mapping[str, Any]) -> str:
+    """The message as compact JSON that PostgreSQL's ``json`` accepts and every reader can
+    decode, or MessageError (PGJ-106) before anything is sent.
+
+    Refused: NaN and Infinity (not JSON; the INSERT would fail at the server, and with
+    confirm_publish=False only at the next publish), nesting too deep to encode (RecursionError),
+    and lone surrogates (stored, they make ``->>`` and every UTF-8 reader fail). A NUL is
+    valid JSON (``\\u0000``) and is kept. The surrogate check costs one substring search unless
+    the text has a ``\\ud8``-``\\udf`` escape (astral characters, some Hangul)."""
+    try:
+        text = json.dumps(message, separators=(",", ":"), allow_nan=False)
+    except RecursionError:
+        raise MessageError("message is nested too deeply to encode as JSON") from None
+    except ValueError as exc:
+        raise MessageError(f"message is not valid JSON ({exc}): NaN and Infinity are not "
+                           "JSON numbers; send them as strings or null") from None
+    except TypeError as exc:
+        raise MessageError(f"message is not JSON-serializable: {exc}") from None
+    if "\\ud" in text:
+        for m in _ESCAPE.finditer(text):
+            if m.group(1) is not None:
+                raise MessageError(
+                    f"message has a lone surrogate (\\{m.group(1)}) in a string: not valid "
+                    "Unicode; decode bytes with errors='replace' or send them base64-encoded")
+    return text
+
+
 def job_from_message(queue: str, message: Mapping[str, Any]) -> NewJob:
     """Validate a kombu message and derive its columns; raise MessageError on bad input."""
     validate_queue_name(queue)
@@ -144,10 +177,7 @@ def job_from_message(queue: str, message: Mapping[str, Any]) -> NewJob:
         _number(MAX_ATTEMPTS_HEADER, raw_max, minimum=1, maximum=1_000_000))
     task = headers.get("task")
     limits = normalise_limits(headers.get(LIMITS_HEADER))
-    try:
-        text = json.dumps(message, separators=(",", ":"))
-    except (TypeError, ValueError) as exc:
-        raise MessageError(f"message is not JSON-serializable: {exc}") from None
+    text = _message_json(message)
     return NewJob(queue, priority, _parse_eta(headers.get("eta")), ttl_ms, max_attempts,
                   task if isinstance(task, str) else None, text, limits)
 

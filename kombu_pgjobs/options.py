@@ -22,14 +22,29 @@ __all__ = [
     "FOREIGN_OPTIONS",
     "OPTIONS",
     "PASSTHROUGH_OPTIONS",
+    "QueueArguments",
     "TransportOptions",
     "UnknownOptionWarning",
+    "queue_arguments",
+    "validate_exchange_name",
     "validate_queue_name",
+    "validate_routing_key",
     "validate_schema_name",
 ]
 
 SCHEMA_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,47}$")
+#: Schema names PostgreSQL reserves (pg_*) or owns (information_schema): a pgjobs schema there
+#: would mix its tables with the catalogue's, or fail on CREATE SCHEMA with an uncoded error.
+RESERVED_SCHEMA = re.compile(r"^(pg_|information_schema$)")
 MAX_QUEUE_NAME = 200
+#: Exchange names and routing keys are text columns like queue names (pgjobs_binding): the same
+#: bound, so an operator can read them and a key never bloats the binding's primary-key index.
+MAX_EXCHANGE_NAME = 200
+MAX_ROUTING_KEY = 255  # AMQP's shortstr bound, what a RabbitMQ app already respects
+#: Queue arguments live in ``integer`` (x-expires, x-message-ttl) and ``smallint``
+#: (x-max-priority) columns of pgjobs_queue.
+MAX_QUEUE_MS = 2**31 - 1  # about 24.8 days
+MAX_QUEUE_PRIORITY = 255  # RabbitMQ's own limit; pgjobs runs 0-9 whatever is declared
 
 
 class UnknownOptionWarning(UserWarning):
@@ -84,8 +99,16 @@ OPTIONS: tuple[Option, ...] = (
            "VACUUMs of the job table, which keep the claim index free of dead entries between "
            "autovacuum runs. 0: leave vacuuming to autovacuum."),
     Option("connect_timeout", 10.0, float, 0.1, 600.0, "Seconds to wait for a connection."),
+    Option("lock_timeout", 10.0, float, 0.0, 86400.0,
+           "Seconds a statement waits for a lock (a table someone LOCKed, a DDL in progress) "
+           "before it fails with DatabaseTimeout (PGJ-108). 0: wait forever. Set per "
+           "connection as a startup parameter (libpq options)."),
+    Option("statement_timeout", 60.0, float, 0.0, 86400.0,
+           "Seconds any statement may run before it fails with DatabaseTimeout (PGJ-108). "
+           "0: no limit. Migrations lift it; the keeper's vacuum has its own, shorter one."),
     Option("connect_options", None, dict,
-           doc="Extra libpq connection parameters, e.g. {'sslmode': 'require'}."),
+           doc="Extra libpq connection parameters, e.g. {'sslrootcert': '/etc/ca.pem'} or "
+               "{'keepalives_idle': '30'}."),
     Option("application_name", "pgjobs", str, doc="application_name of pgjobs connections."),
     Option("embedded_data_dir", None, str,
            doc="Data directory of the embedded server (pgjobs:// with no host)."),
@@ -182,6 +205,8 @@ class TransportOptions:
     ack_flush_interval: float = 0.005
     vacuum_every: int = 2000
     connect_timeout: float = 10.0
+    lock_timeout: float = 10.0
+    statement_timeout: float = 60.0
     connect_options: dict[str, str] | None = field(default=None, hash=False)
     application_name: str = "pgjobs"
     embedded_data_dir: str | None = None
@@ -216,19 +241,119 @@ class TransportOptions:
                               UnknownOptionWarning, stacklevel=3)
         opts = cls(**values)
         validate_schema_name(opts.schema)
+        _check_connect_options(opts.connect_options or {})
         return opts
 
     def as_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
+def _check_connect_options(extra: Mapping[str, str]) -> None:
+    """connect_options keys that pgjobs sets itself from its own options are refused, naming the
+    option to use instead (a duplicate keyword used to end a worker with a TypeError). URL parts
+    (host, port, user, password, dbname) are merged when the URL leaves them out: see
+    :func:`kombu_pgjobs.database.conninfo_from_parts`."""
+    for key, option in (("connect_timeout", "connect_timeout"),
+                        ("application_name", "application_name")):
+        if key in extra:
+            raise InvalidOption(
+                f"connect_options[{key!r}] collides with pgjobs's own setting: use the "
+                f"{option!r} transport option instead")
+
+
 def validate_schema_name(name: str) -> str:
-    """Schema names are identifiers we interpolate (quoted) into SQL: keep them boring."""
+    """Schema names are identifiers we interpolate (quoted) into SQL: keep them boring, and out
+    of PostgreSQL's own namespaces."""
     if not isinstance(name, str) or not SCHEMA_NAME.match(name):
         raise InvalidName(
             f"schema name {name!r} is invalid: use 1-48 characters of a-z, 0-9 and _, "
             "starting with a letter or _")
+    if RESERVED_SCHEMA.match(name):
+        raise InvalidName(
+            f"schema name {name!r} is reserved by PostgreSQL (pg_* and information_schema): "
+            "choose another, e.g. 'pgjobs'")
     return name
+
+
+def _check_characters(what: str, value: str) -> None:
+    """No control characters (NUL is refused by PostgreSQL text, the others garble terminals
+    and logs) and no lone surrogates (not encodable: an uncoded UnicodeEncodeError at the
+    driver). One C-level call for the usual printable name."""
+    if value.isprintable():
+        return
+    if any(ord(c) < 32 or ord(c) == 127 for c in value):
+        raise InvalidName(f"{what} {value!r} contains control characters")
+    if any(0xD800 <= ord(c) <= 0xDFFF for c in value):
+        raise InvalidName(f"{what} {value!r} contains a lone surrogate (not valid Unicode)")
+
+
+def _text_name(what: str, value: object, maximum: int, *, empty: bool) -> str:
+    if not isinstance(value, str):
+        raise InvalidName(f"{what} must be a string, got {type(value).__name__} {value!r}")
+    if not value and not empty:
+        raise InvalidName(f"{what} must be a non-empty string")
+    if len(value) > maximum:
+        raise InvalidName(f"{what} is longer than {maximum} characters: {value[:40]!r}…")
+    _check_characters(what, value)
+    return value
+
+
+def validate_exchange_name(name: str) -> str:
+    """Exchange names are stored (pgjobs_binding.exchange) and shown to operators like queue
+    names; the empty name is the default exchange."""
+    return _text_name("exchange name", name, MAX_EXCHANGE_NAME, empty=True)
+
+
+def validate_routing_key(key: str) -> str:
+    """Routing keys are stored as binding keys (pgjobs_binding.routing_key): no NUL (which
+    PostgreSQL text refuses with an uncoded error, after the queue row was written), no
+    control characters, at most 255 characters as on AMQP. Empty is a valid key."""
+    return _text_name("routing key", key, MAX_ROUTING_KEY, empty=True)
+
+
+@dataclass(frozen=True, slots=True)
+class QueueArguments:
+    """A queue's RabbitMQ-style arguments, validated for the pgjobs_queue columns."""
+
+    expires_ms: int | None = None
+    message_ttl_ms: int | None = None
+    max_priority: int | None = None
+
+
+def _queue_number(queue: str, key: str, value: Any, maximum: int, unit: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise InvalidName(f"queue {queue!r}: {key} must be {unit}, got {value!r}")
+    try:
+        number = int(value)
+    except (TypeError, ValueError, OverflowError):
+        raise InvalidName(f"queue {queue!r}: {key} must be {unit}, got {value!r}") from None
+    if isinstance(value, float) and value != number:
+        raise InvalidName(f"queue {queue!r}: {key} must be whole {unit}, got {value!r}")
+    if number <= 0:
+        raise InvalidName(f"queue {queue!r}: {key} must be positive, got {value!r}")
+    if number > maximum:
+        raise InvalidName(f"queue {queue!r}: {key} must be at most {maximum:,}, got {value!r}")
+    return number
+
+
+def queue_arguments(queue: str, arguments: Mapping[str, Any] | None) -> QueueArguments:
+    """``x-expires``, ``x-message-ttl`` (milliseconds, at most 2^31-1: an ``integer`` column)
+    and ``x-max-priority`` (1-255, RabbitMQ's range: a ``smallint`` column), refused with
+    InvalidName (PGJ-103) before anything is written. Other arguments are ignored, as the
+    virtual transport always did."""
+    args = arguments or {}
+    if not isinstance(args, Mapping):
+        raise InvalidName(f"queue {queue!r}: arguments must be a mapping, got {args!r}")
+    return QueueArguments(
+        expires_ms=_queue_number(queue, "x-expires", args.get("x-expires"), MAX_QUEUE_MS,
+                                 "milliseconds"),
+        message_ttl_ms=_queue_number(queue, "x-message-ttl", args.get("x-message-ttl"),
+                                     MAX_QUEUE_MS, "milliseconds"),
+        max_priority=_queue_number(queue, "x-max-priority", args.get("x-max-priority"),
+                                   MAX_QUEUE_PRIORITY, "a whole number"),
+    )
 
 
 def validate_queue_name(name: object) -> str:
@@ -237,6 +362,5 @@ def validate_queue_name(name: object) -> str:
         raise InvalidName(f"queue name must be a non-empty string, got {name!r}")
     if len(name) > MAX_QUEUE_NAME:
         raise InvalidName(f"queue name is longer than {MAX_QUEUE_NAME} characters: {name[:40]!r}…")
-    if any(ord(c) < 32 or ord(c) == 127 for c in name):
-        raise InvalidName(f"queue name {name!r} contains control characters")
+    _check_characters("queue name", name)
     return name

@@ -46,7 +46,8 @@ def test_other_bad_options(opts):
         TransportOptions.parse(opts)
 
 
-@pytest.mark.parametrize("name", ["Bad", "1abc", "a-b", "x" * 49, "", "pg;drop"])
+@pytest.mark.parametrize("name", ["Bad", "1abc", "a-b", "x" * 49, "", "pg;drop", "pg_catalog",
+                                  "pg_mine", "information_schema"])
 def test_invalid_schema_name(name, url, db):
     with pytest.raises(InvalidName) as err:
         TransportOptions.parse({"schema": name})
@@ -89,7 +90,8 @@ def test_malformed_urls(url, schema):
         kombu.Connection("pgjobs://postgres@127.0.0.1:notaport/test").connect()
     assert cli(["migrate", "--dsn", "pgjobs://h:99999/x", "--json"]) == 2
     assert cli(["migrate", "--dsn", "redis://localhost/0"]) == 2
-    assert cli(["migrate", "--dsn", "pgjobs://h/db?sslmode=require"]) == 2
+    # TLS parameters are read from the query (tests/test_bad_input.py); nothing else is
+    assert cli(["migrate", "--dsn", "pgjobs://h/db?options=-csearch_path%3Dx"]) == 2
 
 
 def test_foreign_options_warn_and_visibility_timeout_is_lease_ttl():

@@ -4,6 +4,11 @@ Migrations are ``NNNN_name.sql`` files beside this module, applied in order, eac
 transaction under a transaction-scoped advisory lock: ten workers starting at once install the
 schema once, and the others wait and then see it installed. ``{schema}`` in a file is replaced by
 the quoted schema identifier.
+
+A schema newer than this code (a later kombu-pgjobs migrated it) is refused with
+:class:`~kombu_pgjobs.errors.SchemaTooNew` (PGJ-702) when its version is read, so on every
+connect and by ``pgjobs migrate``: old code would run old statements against tables whose
+meaning changed, silently.
 """
 
 from __future__ import annotations
@@ -16,10 +21,11 @@ from importlib import resources
 import psycopg
 from psycopg import sql
 
-from ..errors import MigrationError
+from ..errors import MigrationError, SchemaTooNew
 from ..options import validate_schema_name
 
-__all__ = ["Migration", "current_version", "latest_version", "migrate", "migrations"]
+__all__ = ["Migration", "check_not_newer", "current_version", "latest_version", "migrate",
+           "migrations"]
 
 log = logging.getLogger(__name__)
 _FILE = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
@@ -45,8 +51,23 @@ def latest_version() -> int:
     return migrations()[-1].version
 
 
-def current_version(conn: psycopg.Connection, schema: str) -> int:
-    """The applied version, 0 when the schema is not installed. One round trip."""
+def check_not_newer(version: int, schema: str) -> int:
+    """``version`` if this code knows it; SchemaTooNew when a later kombu-pgjobs migrated the
+    schema."""
+    latest = latest_version()
+    if version > latest:
+        raise SchemaTooNew(
+            f"schema {schema!r} is at version {version}, newer than this kombu-pgjobs knows "
+            f"(up to {latest}): upgrade kombu-pgjobs in this process (every worker and "
+            "publisher of the schema) instead of running older code against it")
+    return version
+
+
+def current_version(conn: psycopg.Connection, schema: str, *,
+                    allow_newer: bool = False) -> int:
+    """The applied version, 0 when the schema is not installed. One round trip (two when it is
+    installed). A version newer than this code raises SchemaTooNew unless ``allow_newer`` (a
+    caller that only reports it)."""
     row = conn.execute(
         "SELECT to_regclass(%s) IS NOT NULL", (f'"{schema}".pgjobs_migration',)
     ).fetchone()
@@ -55,7 +76,8 @@ def current_version(conn: psycopg.Connection, schema: str) -> int:
     q = sql.SQL("SELECT coalesce(max(version), 0) FROM {}.pgjobs_migration").format(
         sql.Identifier(schema))
     got = conn.execute(q).fetchone()
-    return int(got[0]) if got else 0
+    version = int(got[0]) if got else 0
+    return version if allow_newer else check_not_newer(version, schema)
 
 
 def migrate(conn: psycopg.Connection, schema: str) -> list[int]:
@@ -65,6 +87,11 @@ def migrate(conn: psycopg.Connection, schema: str) -> list[int]:
     applied: list[int] = []
     try:
         with conn.transaction():
+            # No timeouts inside a migration (the lock_timeout/statement_timeout options hold
+            # for the session): the advisory lock waits for another process's migration, and
+            # a DDL on a big table must not be cut short and retried by every worker forever.
+            conn.execute("SET LOCAL lock_timeout = 0", prepare=False)
+            conn.execute("SET LOCAL statement_timeout = 0", prepare=False)
             conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))",
                          (f"pgjobs.migrate.{schema}",))
             conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(ident))
@@ -76,6 +103,7 @@ def migrate(conn: psycopg.Connection, schema: str) -> list[int]:
             rows = conn.execute(
                 sql.SQL("SELECT version FROM {}.pgjobs_migration").format(ident)).fetchall()
             done = {r[0] for r in rows}
+            check_not_newer(max(done, default=0), schema)
             for mg in migrations():
                 if mg.version in done:
                     continue
