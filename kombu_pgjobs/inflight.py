@@ -14,12 +14,24 @@ API: :data:`SUPPORTED` says whether this psycopg has it, and callers fall back t
 from __future__ import annotations
 
 import select
+import time
 from typing import Any
 
 import psycopg
 from psycopg.waiting import Ready, Wait
 
 __all__ = ["SUPPORTED", "InFlight"]
+
+_READABLE = select.POLLIN | select.POLLHUP | select.POLLERR
+_WRITABLE = select.POLLOUT | select.POLLHUP | select.POLLERR
+
+
+def _poll(fd: int, events: int, timeout: float | None) -> int:
+    """poll() one fd (select() fails past fd 1024: a prefork parent has many); the events."""
+    poller = select.poll()
+    poller.register(fd, events)
+    found = poller.poll(None if timeout is None else timeout * 1000)
+    return found[0][1] if found else 0
 
 #: Whether this psycopg has the execution generator :class:`InFlight` drives.
 SUPPORTED = hasattr(psycopg.Cursor, "_execute_gen")
@@ -40,9 +52,10 @@ class InFlight:
             state = next(self._gen) if ready is None else self._gen.send(ready)
             while state & Wait.W:
                 # The send buffer is full (a very large statement): wait until it drains.
-                fd = self.conn.fileno()
-                r, w, _ = select.select([fd] if state & Wait.R else [], [fd], [])
-                state = self._gen.send(Ready((Ready.R if r else 0) | (Ready.W if w else 0)))
+                events = _poll(self.conn.fileno(), select.POLLOUT |
+                               (select.POLLIN if state & Wait.R else 0), None)
+                state = self._gen.send(Ready((Ready.R if events & _READABLE else 0) |
+                                             (Ready.W if events & _WRITABLE else 0)))
         except StopIteration:
             self.done = True
 
@@ -53,10 +66,12 @@ class InFlight:
         return self.done
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Block until the result is complete (or ``timeout``); True when it is."""
+        """Block until the result is complete (or ``timeout`` seconds in all); True when it
+        is."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         while not self.done:
-            r, _, _ = select.select([self.conn.fileno()], [], [], timeout)
-            if not r:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not _poll(self.conn.fileno(), select.POLLIN, left):
                 return False
             self._advance(Ready.R)
         return True
