@@ -49,6 +49,7 @@ __all__ = [
     "conninfo_from_parts",
     "conninfo_from_url",
     "ssl_parameters",
+    "timeout_error",
 ]
 
 log = logging.getLogger("kombu_pgjobs")
@@ -302,16 +303,19 @@ class TimeoutTranslatingCursor(psycopg.Cursor[Any]):
         try:
             return super().execute(query, params, prepare=prepare, binary=binary)
         except (psycopg.errors.LockNotAvailable, psycopg.errors.QueryCanceled) as exc:
-            raise _timeout(exc) from exc
+            raise timeout_error(exc) from exc
 
     def executemany(self, query: Any, params_seq: Any, *, returning: bool = False) -> None:
         try:
             super().executemany(query, params_seq, returning=returning)
         except (psycopg.errors.LockNotAvailable, psycopg.errors.QueryCanceled) as exc:
-            raise _timeout(exc) from exc
+            raise timeout_error(exc) from exc
 
 
-def _timeout(exc: psycopg.Error) -> DatabaseTimeout:
+def timeout_error(exc: psycopg.Error) -> DatabaseTimeout:
+    """The coded error for a statement cancelled by a timeout (psycopg's LockNotAvailable or
+    QueryCanceled): for code that reads results itself (a claim in flight, pipeline mode) and
+    so does not go through :class:`TimeoutTranslatingCursor`."""
     which = ("lock_timeout" if isinstance(exc, psycopg.errors.LockNotAvailable)
              else "statement_timeout")
     return DatabaseTimeout(

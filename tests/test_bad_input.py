@@ -235,8 +235,11 @@ def test_bad_exchange_or_routing_key_refused_before_the_queue_row(
         queue = kombu.Queue("named", kombu.Exchange(exchange, type="direct"), routing_key=key)
         with pytest.raises(InvalidName):
             queue(c.default_channel).declare()
-    assert _table_count(db, schema, "pgjobs_queue") == 0
-    assert _table_count(db, schema, "pgjobs_binding") == 0
+    if exchange == "ex":  # kombu declares the queue before it binds it: only the key is late
+        assert _table_count(db, schema, "pgjobs_binding") == 0
+    else:  # a bad exchange is refused at exchange_declare, before the queue
+        assert _table_count(db, schema, "pgjobs_queue") == 0
+        assert _table_count(db, schema, "pgjobs_binding") == 0
 
 
 @WIRED
