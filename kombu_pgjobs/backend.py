@@ -29,7 +29,13 @@ import psycopg
 from .batching import pending
 from .core import NewJob, Pair, QueueCore
 from .database import connect
-from .errors import DatabaseUnavailable, MigrationError, PgJobsError, PublishFailed
+from .errors import (
+    DatabaseTimeout,
+    DatabaseUnavailable,
+    MigrationError,
+    PgJobsError,
+    PublishFailed,
+)
 from .events import log_event
 from .options import TransportOptions
 from .schema import current_version as schema_version
@@ -494,7 +500,7 @@ class Keeper(threading.Thread):
                     try:
                         # Never long enough to hold up the next lease renewal much.
                         b.core.vacuum(self.connection(), timeout=interval / 2)
-                    except psycopg.errors.QueryCanceled:
+                    except (psycopg.errors.QueryCanceled, DatabaseTimeout):
                         log.info("pgjobs.keeper.vacuum_cancelled", extra={"action": "keeper"})
                     # At most VACUUM_DUTY of the time vacuuming: a vacuum of a deep table
                     # (its indexes are read whole) waits longer before the next one.

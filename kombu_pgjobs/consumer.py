@@ -47,6 +47,7 @@ import psycopg
 from psycopg import sql
 
 from .core import Claimed, ClaimResult, Pair
+from .database import timeout_error
 from .errors import DatabaseUnavailable, PgJobsError
 from .events import log_event
 from .inflight import SUPPORTED, InFlight
@@ -262,6 +263,9 @@ class ConsumerLoop:
                     if not isinstance(exc, Exception) or is_connection_failure(exc, conn):
                         self._drop_conn()
                         self.state = State.DISCONNECTED
+                    elif isinstance(exc, psycopg.errors.LockNotAvailable |
+                                    psycopg.errors.QueryCanceled):
+                        raise timeout_error(exc) from exc  # a channel error, coded
                     raise
                 return self._claimed(channel, queues, acks, result, no_ack=no_ack)
         raise AssertionError("unreachable")  # pragma: no cover

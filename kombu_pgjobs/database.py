@@ -29,7 +29,7 @@ from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 import psycopg
-from psycopg.conninfo import make_conninfo
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from .errors import (
     DatabaseTimeout,
@@ -332,14 +332,34 @@ def connect(conninfo: str, *, autocommit: bool = True,
     PgBouncer in transaction pooling, where a prepared statement may not exist on the next
     server.
     """
+    # Prepared on first use. The claim writes its LIMIT into the text (sql.with_limit), so
+    # its generic plan reads the index in order at any depth; the claim connection forces
+    # generic plans (Backend.connect(hot=True)).
+    threshold = 0 if prepare else None
     try:
-        if not prepare:
-            return psycopg.connect(conninfo, autocommit=autocommit, prepare_threshold=None,
+        try:
+            return psycopg.connect(conninfo, autocommit=autocommit, prepare_threshold=threshold,
                                    cursor_factory=TimeoutTranslatingCursor)
-        # Prepared on first use. The claim writes its LIMIT into the text (sql.with_limit), so
-        # its generic plan reads the index in order at any depth; the claim connection forces
-        # generic plans (Backend.connect(hot=True)).
-        return psycopg.connect(conninfo, autocommit=autocommit, prepare_threshold=0,
+        except psycopg.OperationalError as exc:
+            if "unsupported startup parameter: options" not in str(exc):
+                raise
+        # A pooler (PgBouncer) that refuses startup options: connect without them, so the
+        # timeouts are the server's or the role's (ALTER ROLE ... SET lock_timeout = ...).
+        params = conninfo_to_dict(conninfo)
+        params.pop("options", None)
+        global _warned_pooler
+        if not _warned_pooler:
+            _warned_pooler = True
+            log.warning("pgjobs.connect.no_startup_options the server (a pooler such as "
+                        "PgBouncer) refuses startup options: lock_timeout and "
+                        "statement_timeout come from the role's or server's settings; set "
+                        "them there (ALTER ROLE ... SET), or set both options to 0 to say so",
+                        extra={"action": "connect"})
+        return psycopg.connect(make_conninfo(**params), autocommit=autocommit,
+                               prepare_threshold=threshold,
                                cursor_factory=TimeoutTranslatingCursor)
     except psycopg.OperationalError as exc:
         raise DatabaseUnavailable(f"cannot connect to PostgreSQL: {exc}".strip()) from exc
+
+
+_warned_pooler = False

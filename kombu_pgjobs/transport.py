@@ -47,8 +47,14 @@ from .backend import Backend, backend_for
 from .consumer import ConsumerLoop, refill_mark
 from .core import Claimed, job_from_message
 from .database import conninfo_from_parts
-from .errors import DatabaseUnavailable, InvalidName, PgJobsError
-from .options import TransportOptions, validate_queue_name
+from .errors import DatabaseUnavailable, PgJobsError
+from .options import (
+    TransportOptions,
+    queue_arguments,
+    validate_exchange_name,
+    validate_queue_name,
+    validate_routing_key,
+)
 
 __all__ = ["Channel", "QoS", "Transport", "parse_tag"]
 
@@ -135,9 +141,16 @@ class Channel(virtual.Channel):
 
     def basic_publish(self, message: dict[str, Any], exchange: str, routing_key: str,
                       **kwargs: Any) -> Any:
+        validate_exchange_name(exchange)
+        validate_routing_key(routing_key)
         if exchange and exchange not in self.state.exchanges:
             self._remote_type(exchange)
         return super().basic_publish(message, exchange, routing_key, **kwargs)
+
+    def exchange_declare(self, exchange: str | None = None, *args: Any, **kwargs: Any) -> Any:
+        if exchange is not None:
+            validate_exchange_name(exchange)
+        return super().exchange_declare(exchange, *args, **kwargs)
 
     # -- routing -------------------------------------------------------------------------
     def _remote_table(self, exchange: str) -> tuple[list[tuple[str, str, str]], str | None]:
@@ -171,6 +184,8 @@ class Channel(virtual.Channel):
         return found
 
     def _queue_bind(self, exchange: str, routing_key: str, pattern: str, queue: str) -> None:
+        validate_exchange_name(exchange)
+        validate_routing_key(routing_key)
         ex_type = self.state.exchanges.get(exchange, {}).get("type", "direct")
         self.backend.publishing(lambda c: self.backend.core.bind(
             c, exchange, ex_type, routing_key, pattern, queue))
@@ -190,25 +205,11 @@ class Channel(virtual.Channel):
         return to_rabbitmq_queue_arguments(arguments, **kwargs)
 
     def _new_queue(self, queue: str, **kwargs: Any) -> None:
-        args = kwargs.get("arguments") or {}
-
-        def ms(key: str) -> int | None:
-            value = args.get(key)
-            if value is None:
-                return None
-            try:
-                number = int(value)
-            except (TypeError, ValueError):
-                raise InvalidName(f"queue {queue!r}: {key} must be milliseconds") from None
-            if number <= 0:
-                raise InvalidName(f"queue {queue!r}: {key} must be positive, got {value!r}")
-            return number
-
-        expires, ttl, max_priority = ms("x-expires"), ms("x-message-ttl"), ms("x-max-priority")
         validate_queue_name(queue)
+        args = queue_arguments(queue, kwargs.get("arguments"))
         self.backend.publishing(lambda c: self.backend.core.declare_queue(
-            c, queue, expires_ms=expires, message_ttl_ms=ttl, max_priority=max_priority,
-            auto_delete=bool(kwargs.get("auto_delete"))))
+            c, queue, expires_ms=args.expires_ms, message_ttl_ms=args.message_ttl_ms,
+            max_priority=args.max_priority, auto_delete=bool(kwargs.get("auto_delete"))))
 
     def _has_queue(self, queue: str, **kwargs: Any) -> bool:
         return bool(self.backend.publishing(lambda c: self.backend.core.queue_exists(c, queue)))
@@ -322,7 +323,7 @@ class Transport(virtual.Transport):
         c = self.client
         conninfo = conninfo_from_parts(
             host=c.hostname, port=c.port, user=c.userid, password=c.password,
-            dbname=c.virtual_host, options=self.options)
+            dbname=c.virtual_host, options=self.options, ssl=c.ssl)
         return backend_for(conninfo, self.options)
 
     def establish_connection(self) -> Any:

@@ -2,9 +2,9 @@
 error where the mistake is made, nothing is written, nothing is lost; TLS is never dropped;
 timeouts turn a locked table into a coded error; a schema newer than the code is refused.
 
-Real Postgres throughout; counts are read back from the database. Tests marked xfail "wired in
-transport.py" go through kombu and need the transport to call the validators of
-kombu_pgjobs.options (and pass kombu's ``ssl``) — they pass once it does.
+Real Postgres throughout; counts are read back from the database. The kombu-level tests go
+through the transport, which calls the validators of kombu_pgjobs.options and passes kombu's
+``ssl`` to the conninfo.
 """
 
 from __future__ import annotations
@@ -47,8 +47,6 @@ from kombu_pgjobs.options import (
 from kombu_pgjobs.schema import current_version, latest_version, migrate, migrations
 
 from .conftest import DSN, wait_for
-
-WIRED = pytest.mark.xfail(reason="wired in transport.py", strict=False)
 
 
 def _deep(n: int) -> dict[str, Any]:
@@ -215,7 +213,6 @@ def test_queue_arguments_values() -> None:
         got.expires_ms = 1  # type: ignore[misc]
 
 
-@WIRED
 @pytest.mark.parametrize("args", [{"x-message-ttl": 10**12}, {"x-max-priority": 10**6}])
 def test_queue_declare_with_overflowing_argument_refused(args: dict[str, Any], url: str,
                                                          schema: str,
@@ -226,7 +223,6 @@ def test_queue_declare_with_overflowing_argument_refused(args: dict[str, Any], u
     assert _table_count(db, schema, "pgjobs_queue") == 0
 
 
-@WIRED
 @pytest.mark.parametrize("exchange,key", [("ex\x00", "k"), ("ex", "k\x00"), ("ex", "k" * 300),
                                           ("x" * 201, "k")])
 def test_bad_exchange_or_routing_key_refused_before_the_queue_row(
@@ -242,7 +238,6 @@ def test_bad_exchange_or_routing_key_refused_before_the_queue_row(
         assert _table_count(db, schema, "pgjobs_binding") == 0
 
 
-@WIRED
 def test_publish_to_bad_exchange_name_refused(url: str, schema: str,
                                               db: psycopg.Connection[Any]) -> None:
     with kombu.Connection(url, transport_options={"schema": schema}) as c:
@@ -392,7 +387,6 @@ def test_cli_takes_tls_from_the_url_and_refuses_other_query_parameters(
     assert _table_count(db, schema, "pgjobs_migration") == 0
 
 
-@WIRED
 @pytest.mark.parametrize("how", ["url", "argument"])
 def test_kombu_ssl_is_not_dropped(how: str, url: str, schema: str,
                                   db: psycopg.Connection[Any]) -> None:
@@ -405,7 +399,6 @@ def test_kombu_ssl_is_not_dropped(how: str, url: str, schema: str,
     assert _table_count(db, schema, "pgjobs_migration") == 0
 
 
-@WIRED
 def test_kombu_unmappable_ssl_refused(url: str, schema: str) -> None:
     with kombu.Connection(url, ssl={"ciphers": "HIGH"},
                           transport_options={"schema": schema}) as c:
