@@ -103,6 +103,7 @@ class ConsumerLoop:
         os.set_blocking(self._wake_w, False)
         self.dirty: set[str] = set()
         self.again = False  # a claim held rows back by a limit: claim again at once
+        self.woken = False  # a notification came in with a statement's result
         self.due_at: float | None = None
         self.next_poll = 0.0
         self._ack_listener = False
@@ -134,7 +135,7 @@ class ConsumerLoop:
             self.state = State.CONNECTED
             self.listening = False
             if self.options.use_listen_notify:
-                conn.add_notify_handler(lambda n: self.dirty.add(n.payload))
+                conn.add_notify_handler(lambda n: self._notified(n.payload))
             self.dirty.update(self.transport._callbacks)  # anything may have arrived meanwhile
             if self._failing:
                 self._failing = False
@@ -218,6 +219,13 @@ class ConsumerLoop:
     def mark_dirty(self, queues: Iterable[str]) -> None:
         self.dirty.update(queues)
 
+    def _notified(self, queue: str) -> None:
+        """A NOTIFY for ``queue``. One read by psycopg together with a statement's result
+        (the release in an ack wakes a parked message and notifies this very session) leaves
+        the socket unreadable: :meth:`pump` claims again at once instead of waiting for it."""
+        self.dirty.add(queue)
+        self.woken = True
+
     def read_wakeups(self) -> None:
         """Empty the self-pipe and take pending notifications (never blocks)."""
         try:
@@ -233,6 +241,7 @@ class ConsumerLoop:
                     pg.consume_input()
                     while (n := pg.notifies()) is not None:
                         self.dirty.add(n.extra.decode("utf-8", "replace"))
+                        self.woken = True
                 except psycopg.Error as exc:
                     self._broken(exc, "listen")
 
@@ -403,11 +412,15 @@ class ConsumerLoop:
         self.again = False
         if not self._may_claim():
             return 0
+        self.woken = False
         try:
-            return self._pump(on_hub)
+            delivered = self._pump(on_hub)
         except (psycopg.Error, PgJobsError) as exc:
             self._broken(exc, "claim")
             return 0
+        if self.woken and self.inflight is None:
+            self.again = True  # work was announced while this pump ran: look again now
+        return delivered
 
     def _pump(self, on_hub: bool) -> int:
         delivered = 0
@@ -556,7 +569,10 @@ class ConsumerLoop:
         delivered = self.pump(on_hub=True)
         self.hub_rearm()
         if delivered or self.again:
-            hub.call_soon(self.on_hub_event)  # more may be waiting: keep draining
+            # More may be waiting: keep draining. A byte on the self-pipe, not call_soon: the
+            # Hub runs what call_soon queued only after its next poll(), which waits for a
+            # timer (up to a second) when no socket is readable.
+            self.poke()
             return
         now = time.monotonic()
         # At most a second: Celery's warm shutdown is a flag its loop checks between events.

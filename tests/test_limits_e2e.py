@@ -191,3 +191,21 @@ def test_a_deploy_that_raises_a_cap_never_stops_the_key(db, spans, url, start_wo
     left = db.execute(f'SELECT count(*) FROM "{schema}".pgjobs_job').fetchone()[0]
     assert left == 0, "nothing left behind"
     assert "TriggeredDataChangeViolation" not in w.output()
+
+
+def test_a_released_slot_wakes_the_next_message_at_once(db, spans, url, start_worker):
+    """One worker, one key with cap 1, six 0.2 s tasks: each release wakes the next parked
+    message and the worker claims it at once. The wake-up's NOTIFY comes back on the claim
+    connection with the result of the statement that released the slot; it used to mark the
+    queue and then wait up to a second for the next poll (about 1.2 s per step)."""
+    schema = spans
+    app = _app(schema, url, PGJOBS_TEST_PER_KEY="1")
+    start_worker(name="w", app=APP, concurrency=4, env={"PGJOBS_TEST_PER_KEY": "1"})
+    with kombu_pgjobs.batch():
+        for i in range(6):
+            app.keyed.delay(f"chain{i}", "one", 0.2)
+    wait_for(lambda: _done(db, schema) >= 6, 60, interval=0.2, what="the chain to run")
+    gaps = [r[0] for r in db.execute(
+        f"""SELECT extract(epoch FROM started - lag(finished) OVER (ORDER BY started))
+              FROM "{schema}".pgjobs_test_span ORDER BY started""").fetchall()[1:]]
+    assert max(gaps) < 0.5, f"gaps between a release and the next start: {gaps}"
