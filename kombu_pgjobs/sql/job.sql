@@ -358,7 +358,8 @@ WITH lapsed AS (
 ), promoted AS (
     -- Delayed rows now due, of the queues this process consumes, move into the claim index
     -- (the claim takes them from the delayed index meanwhile, so this is upkeep, not a wake-up:
-    -- no NOTIFY). Rows a claim holds are skipped.
+    -- no NOTIFY). Rows a claim holds are skipped. Up to ten times the usual batch: until they
+    -- move, every claim sorts all due delayed rows (a burst of tasks with one countdown).
     UPDATE {schema}.pgjobs_job AS j
        SET delayed = false
       FROM (SELECT d.id
@@ -368,7 +369,7 @@ WITH lapsed AS (
                      WHERE x.queue = q.name AND x.state = 'ready' AND x.delayed
                        AND x.run_at <= now()
                      ORDER BY x.run_at
-                     LIMIT %(limit)s
+                     LIMIT 10 * %(limit)s
                        FOR UPDATE SKIP LOCKED) AS d) AS due
      WHERE j.id = due.id
 ), old_slots AS (
