@@ -259,10 +259,13 @@ class Backend:
         if not self.options.durable_publish:
             # per publish transaction, never a session SET (it would leak behind PgBouncer)
             self.core.commit_async(conn)
+        # each publish's NOTIFY after its commit, not under its commit (schema 0008)
+        self.core.notify_after(conn)
         if not self.options.confirm_publish:
-            insert = self.core.insert_query("job_insert",
-                                            durable=self.options.durable_publish)
-            self._unconfirmed = Unconfirmed(conn, insert,
+            insert = self.core.insert_query("job_insert", durable=self.options.durable_publish,
+                                            notify=False)
+            self._unconfirmed = Unconfirmed(conn, insert, self.core.notify_query("job_insert"),
+                                            channel=self.core.channel,
                                             prepare=self.options.use_listen_notify)
             if self._resend:
                 try:
@@ -541,19 +544,24 @@ class Keeper(threading.Thread):
         b = self.backend
         conn = self.connection()
         core = b.core
-        age = b.oldest_ack_age()
-        if age is not None and age >= self.ack_grace:
-            # Acks a failed flush put back (a broken connection, a consumer that stopped):
-            # every tick retries them until they settle; fenced, a late one only misses.
-            b.flush_acks(conn)
         held = b.held_pairs()
-        if held:
+        if held:  # first: nothing else in the tick may hold up a renewal
             alive = core.renew(conn, held)
             lost = b.lost(held, alive)
             if lost:
                 b.forget(lost)
                 for i, c in lost:
                     log_event("pgjobs.lease.lost", job_id=i, fence=c)
+        age = b.oldest_ack_age()
+        if age is not None and age >= self.ack_grace:
+            # Acks a failed flush put back (a broken connection, a consumer that stopped):
+            # every tick retries them until they settle; fenced, a late one only misses.
+            try:
+                b.flush_acks(conn)
+            except (psycopg.Error, PgJobsError) as exc:  # still buffered: the next tick
+                log.warning("pgjobs.ack.flush_failed %s", exc, extra={"action": "keeper"})
+                if conn.closed or conn.broken:
+                    raise
         outcomes = core.maintain(conn, consumed=list(b.consumed), held=len(b.held),
                                  grace=3 * b.options.tick_interval)
         for outcome, job_id, queue in outcomes:

@@ -18,18 +18,23 @@ work (the only place that decides it is :meth:`ConsumerLoop._broken` and :meth:`
     connection. Its rows are delivered when the result comes in; a channel that closes
     meanwhile hands its rows back unstarted (no attempt counted).
 ``broken``
-    A statement or the connection failed. The connection is closed (its Hub reader removed
-    first: a new socket may reuse the number). The acks an in-flight claim carried go back to
-    the process's ack buffer (fenced: a retry can only miss, never double-settle); its queues
-    are marked for a new claim. **Nothing delivered is handed back**: prefetched messages stay
-    with Celery and run, running tasks keep their leases (the keeper renews them on its own
-    connection) and their acks reach the buffer whatever happened here. After a backoff
-    (0.1 s doubling to 5 s) the next claim reconnects. A broken database connection is
-    therefore not a kombu connection loss: Celery never restarts its consumer for it, so it
-    never drops or re-delivers what it holds.
+    A statement or the connection failed. A connection that is gone, or that a statement was
+    left unfinished on, is closed (its Hub reader removed first: a new socket may reuse the
+    number); one whose statement merely failed is kept. The acks an in-flight claim carried
+    go back to the process's ack buffer (fenced: a retry can only miss, never double-settle);
+    its queues are marked for a new claim. **Nothing delivered is handed back**: prefetched
+    messages stay with Celery and run, running tasks keep their leases (the keeper renews
+    them on its own connection) and their acks reach the buffer whatever happened here. After
+    a backoff (0.1 s doubling to 5 s, reset by a claim that works) the next claim reconnects.
+    Errors that no retry can clear (a schema newer than the code, a failed migration, a bad
+    option) are raised, not retried. A broken database connection is therefore not a kombu
+    connection loss: Celery never restarts its consumer for it, so it never drops or
+    re-delivers what it holds.
 ``closed``
-    The kombu connection closed: an in-flight claim is finished and its rows handed back,
-    Hub readers and timers are removed, the connection and the self-pipe are closed.
+    The kombu connection closed: a channel closing with a claim in flight waits for it and
+    hands its rows back (:meth:`ConsumerLoop.channel_closing`); at the connection's close an
+    in-flight claim's acks go back to the buffer. Hub readers and timers are removed, the
+    connection and the self-pipe are closed.
 """
 
 from __future__ import annotations
@@ -48,7 +53,7 @@ from psycopg import sql
 
 from .core import Claimed, ClaimResult, Pair
 from .database import timeout_error
-from .errors import DatabaseUnavailable, PgJobsError
+from .errors import DatabaseTimeout, DatabaseUnavailable, PgJobsError
 from .events import log_event
 from .inflight import SUPPORTED, InFlight
 
@@ -110,7 +115,11 @@ class ConsumerLoop:
         # after a failure: no claim before retry_at; the backoff doubles while failures last
         self.retry_at = 0.0
         self._backoff = 0.0
-        self._failing = False  # an outage is under way (logged once when it starts and ends)
+        # an outage is under way since (monotonic), or 0.0; logged when it starts, every
+        # minute while it lasts, and when a claim works again
+        self._failing = 0.0
+        self._logged_at = 0.0
+        self._wake_lock = threading.Lock()  # poke (pool threads) against close
         # Celery's event loop (kombu Hub), when the worker runs one
         self.hub: Any = None
         self._hub_fds: list[int] = []
@@ -137,10 +146,6 @@ class ConsumerLoop:
             if self.options.use_listen_notify:
                 conn.add_notify_handler(lambda n: self._notified(n.payload))
             self.dirty.update(self.transport._callbacks)  # anything may have arrived meanwhile
-            if self._failing:
-                self._failing = False
-                log_event("pgjobs.consumer.reconnected", logging.INFO)
-            self._backoff = 0.0
         if not self._ack_listener:
             self.backend.add_ack_listener(self.poke)
             self._ack_listener = True
@@ -188,22 +193,41 @@ class ConsumerLoop:
             pass
 
     def _broken(self, exc: BaseException, action: str) -> None:
-        """A claim, a flush or a read failed: the ``broken`` transition (module docstring)."""
+        """A claim, a flush or a read failed: the ``broken`` transition (module docstring).
+        The connection is dropped when it is gone, or when a statement was left unfinished
+        on it; a statement that failed on a healthy connection keeps it. Either way the next
+        claim waits for the backoff, which grows until a claim works again."""
         with self.lock:
+            abandoned = False
             if self.inflight is not None:
-                _, _, queues, acks = self.inflight
+                pending, _, queues, acks = self.inflight
+                abandoned = not pending.done
                 self.inflight = None
                 self.backend.restore_acks(acks)
                 self.dirty.update(queues)
-            self._drop_conn()
+            if abandoned or is_connection_failure(exc, self.conn):
+                self._drop_conn()
             self.state = State.BROKEN
             self._backoff = min(BACKOFF_MAX, max(BACKOFF_FIRST, self._backoff * 2))
-            self.retry_at = time.monotonic() + self._backoff
+            now = time.monotonic()
+            self.retry_at = now + self._backoff
             self.dirty.update(self.transport._callbacks)
-            if not self._failing:
-                self._failing = True
+            if not self._failing or now - self._logged_at >= 60.0:
+                self._logged_at = now
                 log_event("pgjobs.consumer.broken", action=action,
+                          since=f"{now - (self._failing or now):.0f}s",
                           error=str(exc).strip().replace("\n", " ")[:300])
+            self._failing = self._failing or now
+
+    def _recovered(self) -> None:
+        """A claim worked: the outage (if any) is over and the backoff starts afresh."""
+        self._backoff = 0.0
+        if self.state is State.BROKEN:
+            self.state = State.CONNECTED
+        if self._failing:
+            log_event("pgjobs.consumer.reconnected", logging.INFO,
+                      after=f"{time.monotonic() - self._failing:.1f}s")
+            self._failing = 0.0
 
     def _may_claim(self) -> bool:
         return self.state is not State.BROKEN or time.monotonic() >= self.retry_at
@@ -211,10 +235,13 @@ class ConsumerLoop:
     # -- wake-ups ---------------------------------------------------------------------------
     def poke(self) -> None:
         """Wake the consumer loop (thread-safe: a byte on the self-pipe)."""
-        try:
-            os.write(self._wake_w, b"x")
-        except (BlockingIOError, OSError):
-            pass
+        with self._wake_lock:  # never a closed (and maybe reused) descriptor
+            if self._wake_w < 0:
+                return
+            try:
+                os.write(self._wake_w, b"x")
+            except (BlockingIOError, OSError):
+                pass
 
     def mark_dirty(self, queues: Iterable[str]) -> None:
         self.dirty.update(queues)
@@ -286,8 +313,18 @@ class ConsumerLoop:
             conn = self.claim_conn()
             self.dirty.difference_update(queues)
             acks = backend.take_acks()
-            query, params = backend.core.claim_statement(queues, n, acks)
-            self.inflight = (InFlight(conn, query, params), channel, queues, acks)
+            try:
+                query, params = backend.core.claim_statement(queues, n, acks)
+                pending = InFlight(conn, query, params)
+            except BaseException:
+                # Not sent (or not wholly): the acks go back to the buffer; the connection
+                # is in an unknown state and goes too.
+                backend.restore_acks(acks)
+                self.dirty.update(queues)
+                self._drop_conn()
+                self.state = State.DISCONNECTED
+                raise
+            self.inflight = (pending, channel, queues, acks)
             self.state = State.IN_FLIGHT
 
     def poll_inflight(self, *, block: bool = False) -> list[Claimed]:
@@ -344,6 +381,7 @@ class ConsumerLoop:
     def _claimed(self, channel: Channel, queues: list[str], acks: list[Pair],
                  result: ClaimResult, *, no_ack: bool) -> list[Claimed]:
         """Account for a claim's result: settled acks, held leases, what to claim next."""
+        self._recovered()
         backend = self.backend
         hit = result.acked
         if result.unsettled:  # a key's lock was busy: settle them now, waiting
@@ -389,19 +427,45 @@ class ConsumerLoop:
     def deliver(self, rows: list[Claimed]) -> int:
         """Hand claimed rows to their consumers. A row whose stored message is not a kombu
         message (written by hand, or by another program) is dead-lettered, reason
-        ``malformed``; the rows claimed with it are delivered."""
+        ``malformed``; the rows claimed with it are delivered. When a consumer's callback
+        raises, the rows not yet delivered go back (uncounted) before the error goes on."""
         transport = self.transport
         bad: list[tuple[Claimed, str]] = []
-        for row in rows:
-            try:
-                message = transport.to_message(row)
-            except ValueError as exc:
-                bad.append((row, str(exc)))
-                continue
-            transport._deliver(message, row.queue)
-        if bad:
-            self.backend.bury_malformed(bad)
-        return len(rows) - len(bad)
+        delivered = 0
+        try:
+            for index, row in enumerate(rows):
+                try:
+                    message = transport.to_message(row)
+                except ValueError as exc:
+                    bad.append((row, str(exc)))
+                    continue
+                try:
+                    transport._deliver(message, row.queue)
+                except Exception as exc:
+                    if self._handed_over(message, row.queue):
+                        self._hand_back(rows[index + 1:])
+                        raise
+                    # kombu could not make a Message of it (a body it cannot decode)
+                    bad.append((row, f"{type(exc).__name__}: {exc}"))
+                    continue
+                delivered += 1
+        finally:
+            if bad:
+                self.backend.bury_malformed(bad)
+        return delivered
+
+    def _handed_over(self, message: dict[str, Any], queue: str) -> bool:
+        """Whether a consumer got this message (its callback ran) — as opposed to kombu
+        failing to make a Message of it first."""
+        tag = message["properties"]["delivery_tag"]
+        for ch in self.transport.channels:
+            if queue in ch._no_ack_queues or tag in ch.qos._delivered:
+                return True
+        return False
+
+    def _hand_back(self, rows: list[Claimed]) -> None:
+        if rows:
+            self.backend.settle([(r.id, r.claim) for r in rows], requeue=True, uncount=True)
 
     # -- the loop ---------------------------------------------------------------------------
     def pump(self, *, on_hub: bool = False) -> int:
@@ -415,7 +479,7 @@ class ConsumerLoop:
         self.woken = False
         try:
             delivered = self._pump(on_hub)
-        except (psycopg.Error, PgJobsError) as exc:
+        except (psycopg.Error, DatabaseUnavailable, DatabaseTimeout) as exc:
             self._broken(exc, "claim")
             return 0
         if self.woken and self.inflight is None:
@@ -440,9 +504,10 @@ class ConsumerLoop:
         age = self.backend.oldest_ack_age()
         acks_due = age is not None and age >= self.options.ack_flush_interval
         channels = list(transport.channels)
-        if self._consuming() and not self.listening:
+        consuming = self._consuming()
+        if consuming != self.listening:  # LISTEN while consuming, and only then
             with self.lock:
-                self._listen(True)
+                self._listen(consuming)
         first = self.next_channel % len(channels) if channels else 0
         for index, channel in enumerate(channels[first:] + channels[:first], first):
             if not channel._consumers or channel.closed:
@@ -585,8 +650,9 @@ class ConsumerLoop:
 
     # -- closing ----------------------------------------------------------------------------
     def close(self) -> None:
-        """The ``closed`` transition: an in-flight claim is finished and its rows go back
-        (their channels are closing), the connection and the self-pipe close."""
+        """The ``closed`` transition: an in-flight claim's acks go back to the buffer (its
+        rows, if it claimed any, come back when their leases lapse: their channels closed
+        first, see :meth:`channel_closing`), the connection and the self-pipe close."""
         if self.state is State.CLOSED:
             return
         if self._ack_listener:
@@ -602,9 +668,10 @@ class ConsumerLoop:
                 self.unregister_from_event_loop(self.hub)
             self._drop_conn()
             self.state = State.CLOSED
-        for fd in (self._wake_r, self._wake_w):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-        self._wake_r = self._wake_w = -1
+        with self._wake_lock:
+            for fd in (self._wake_r, self._wake_w):
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+            self._wake_r = self._wake_w = -1

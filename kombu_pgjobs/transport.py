@@ -237,7 +237,11 @@ class Channel(virtual.Channel):
         rows = self.connection.claim_for(self, [queue], 1, no_ack=no_ack)
         if not rows:
             return None
-        message = self.Message(self.connection.to_message(rows[0]), channel=self)
+        try:
+            message = self.Message(self.connection.to_message(rows[0]), channel=self)
+        except Exception as exc:  # not a kombu message: dead-lettered, never held
+            self.backend.bury_malformed([(rows[0], f"{type(exc).__name__}: {exc}")])
+            return None
         if not no_ack:
             self.qos.append(message, message.delivery_tag)
         return message
@@ -344,6 +348,9 @@ class Transport(virtual.Transport):
         if not isinstance(props, dict):
             raise ValueError("the stored message is not a kombu message (a JSON object "
                              "with a properties object)")
+        encoding = props.get("body_encoding")
+        if encoding is not None and encoding not in self.Channel.codecs:
+            raise ValueError(f"the stored message's body_encoding {encoding!r} is unknown")
         props["delivery_tag"] = make_tag(row.id, row.claim)
         if row.claim > 1:  # where kombu and Celery look for it
             info = props.get("delivery_info")

@@ -134,3 +134,26 @@ def test_a_consumer_cancelled_with_its_claim_in_flight_hands_its_rows_back_uncou
         assert got == []
         # Claimed (claim 1) and handed back unstarted: ready again, no attempt counted.
         assert _rows(db, schema) == [("ready", 1, 0)] * 5
+
+
+def test_terminated_backends_under_the_loop_raise_nothing_and_lose_nothing(url, schema, db):
+    """The claim, publish and keeper connections terminated while the Hub runs: no exception
+    leaves the loop (Celery would restart its consumer), the loop reconnects by itself, and
+    every message is delivered once and acked."""
+    appname = f"pgjt-loop-{schema[-8:]}"
+    got: list[Any] = []
+    conn = kombu.Connection(url, transport_options={"schema": schema,
+                                                    "application_name": appname})
+    _consume(conn, "loop", _collect(got, ack=True))
+    _publish(conn, loop=10)
+    with _hub(conn) as (transport, loop):
+        _spin(loop, lambda: len(got) >= 10, 20)
+        killed = db.execute("SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                            "WHERE application_name = %s", [appname]).fetchone()[0]
+        assert killed >= 2
+        _spin(loop, lambda: False, 0.5)  # the loop meets the dead connection
+        _publish(conn, loop=10)
+        _spin(loop, lambda: len(got) >= 20, 20)
+        assert len(got) == 20 and transport.consumer.state.value == "connected"
+        _spin(loop, lambda: not _rows(db, schema), 10)
+        assert _rows(db, schema) == [], "every ack was flushed"

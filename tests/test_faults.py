@@ -118,6 +118,7 @@ def test_terminated_backends_and_restart_strand_nothing_run_nothing_twice(
         out = w.output()
         assert "AttributeError" not in out, out[-3000:]
         assert "Unrecoverable error" not in out, out[-3000:]
+        assert "Connection to broker lost" not in out, "Celery restarted its consumer"
 
 
 @pytest.mark.slow
@@ -127,8 +128,7 @@ def test_many_short_tasks_through_faults(server, schema, start_worker, pool):
     restarts twice: every task completes exactly once, nothing left in the job table."""
     _tables(server, schema)
     env = _worker_env(server, schema)
-    for i in (1, 2):
-        start_worker(name=f"w{i}", pool=pool, concurrency=2, env=env)
+    workers = [start_worker(name=f"w{i}", pool=pool, concurrency=2, env=env) for i in (1, 2)]
     n = 2000
     _publish(server, schema, n, "sleep_record", lambda i: (f"t{i}", 0.01))
     for fault in ("terminate", "restart", "terminate", "restart"):
@@ -138,3 +138,6 @@ def test_many_short_tasks_through_faults(server, schema, start_worker, pool):
         else:
             server.restart()
     _assert_exactly_once(server, schema, n, timeout=180)
+    for w in workers:
+        assert w.proc.poll() is None, w.output()[-3000:]
+        assert "Connection to broker lost" not in w.output(), "Celery restarted its consumer"

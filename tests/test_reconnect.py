@@ -52,6 +52,13 @@ def _terminate(db: psycopg.Connection[Any], appname: str) -> int:
     return int(row[0]) if row else 0
 
 
+def _unreachable(conninfo: str) -> str:
+    """The same conninfo on a port nobody listens on: every new connection fails."""
+    params = psycopg.conninfo.conninfo_to_dict(conninfo)
+    params["port"] = "1"
+    return psycopg.conninfo.make_conninfo(**params)
+
+
 def _rows(db: psycopg.Connection[Any], schema: str) -> list[tuple[str, int, int]]:
     return db.execute(f'SELECT state, claim, attempts FROM "{schema}".pgjobs_job '
                       "ORDER BY id").fetchall()
@@ -214,15 +221,22 @@ def test_buffered_acks_survive_a_failed_flush_and_process_exit(url, schema, db, 
 
 
 def test_keeper_retries_an_ack_whose_flush_failed(connect, db, schema, appname):
-    conn = connect(lease_ttl=3.0, ack_flush_interval=1.0)
+    """Item 3: an ack whose flush failed stays buffered and the keeper's tick settles it once
+    the database can be reached again (nobody else flushes here)."""
+    conn = connect(lease_ttl=3.0, ack_flush_interval=0.1)
     with conn.SimpleQueue("kr") as queue:
         queue.put({"x": 1})
         message = queue.get(timeout=5)
         backend = message.channel.backend
-        _terminate(db, appname)  # every connection of this process is dead now
+        good = backend.conninfo
+        backend.conninfo = _unreachable(good)
+        _terminate(db, appname)  # and every connection of this process is dead
         message.ack()
-        assert not backend.flush_pending() or not _rows(db, schema)
-        wait_for(lambda: not _rows(db, schema), 10, what="the keeper to flush the ack")
+        assert not backend.flush_pending(), "the flush fails on every connection"
+        assert backend.oldest_ack_age() is not None, "the ack is still buffered"
+        assert _rows(db, schema) == [("running", 1, 1)]
+        backend.conninfo = good
+        wait_for(lambda: not _rows(db, schema), 15, what="the keeper to flush the ack")
 
 
 def test_settle_that_fails_for_good_stops_renewing(connect, db, schema, appname):
@@ -235,9 +249,8 @@ def test_settle_that_fails_for_good_stops_renewing(connect, db, schema, appname)
     backend = message.channel.backend
     pair = (int(message.delivery_tag.split(".")[0]), 1)
     assert pair in backend.held_pairs()
-    # Point the backend at a port nobody listens on: every new connection fails.
     good = backend.conninfo
-    backend.conninfo = good.replace("127.0.0.1", "127.0.0.1 port=1")
+    backend.conninfo = _unreachable(good)
     _terminate(db, appname)
     backend.settle([pair], requeue=True, uncount=True)
     assert pair not in backend.held_pairs()
@@ -246,3 +259,67 @@ def test_settle_that_fails_for_good_stops_renewing(connect, db, schema, appname)
              what="the lapsed lease to be rescued")
     [(stored,)] = db.execute(f'SELECT message FROM "{schema}".pgjobs_job').fetchall()
     assert stored["properties"]["delivery_info"], "the message is intact"
+
+
+def test_a_claim_that_keeps_failing_backs_off_on_one_connection(connect, db, schema, appname,
+                                                               caplog):
+    """A claim that fails on a healthy connection (here a trigger that refuses every claim)
+    keeps its connection and backs off; the outage is logged once, and its end once."""
+    caplog.set_level(logging.INFO, logger="kombu_pgjobs")
+    conn = connect()
+    got: list[Any] = []
+    _consume(conn, "bo", got)
+    with conn.Producer() as producer:
+        producer.publish({"i": 0}, routing_key="bo")
+    db.execute(f"""CREATE FUNCTION "{schema}".refuse() RETURNS trigger LANGUAGE plpgsql AS
+                   $$ BEGIN RAISE EXCEPTION 'claims refused by the test'; END $$""")
+    db.execute(f'CREATE TRIGGER refuse BEFORE UPDATE ON "{schema}".pgjobs_job '
+               f'FOR EACH ROW EXECUTE FUNCTION "{schema}".refuse()')
+    _drain(conn, lambda: False, 3.0)
+    assert got == []
+    connections = db.execute("SELECT count(*) FROM pg_stat_activity WHERE application_name = %s",
+                             [appname]).fetchone()[0]
+    assert connections <= 3, f"{connections} connections: the claim connection was kept"
+    assert conn.transport.consumer._backoff >= 1.6, "the backoff grew"
+    broken = [r for r in caplog.records if "pgjobs.consumer.broken" in r.getMessage()]
+    assert len(broken) == 1, [r.getMessage() for r in broken]
+    db.execute(f'DROP TRIGGER refuse ON "{schema}".pgjobs_job')
+    _drain(conn, lambda: len(got) >= 1, 10)
+    assert [m.payload for m in got] == [{"i": 0}]
+    assert any("pgjobs.consumer.reconnected" in r.getMessage() for r in caplog.records)
+
+
+def test_basic_get_of_a_malformed_row_buries_it(connect, db, schema):
+    """Item 13, basic_get: the row is dead-lettered, nothing is left held."""
+    conn = connect()
+    with conn.SimpleQueue("bg") as queue:
+        db.execute(f'INSERT INTO "{schema}".pgjobs_job (queue, message) VALUES (%s, %s)',
+                   ["bg", '{"properties": {"body_encoding": "base64"}, "body": 5}'])
+        channel = queue.channel
+        assert channel.basic_get("bg") is None
+        assert channel.backend.held_pairs() == []
+        queue.put({"ok": 1})
+        message = queue.get(timeout=5)
+        assert message.payload == {"ok": 1}
+        message.ack()
+    dead = db.execute(f'SELECT reason FROM "{schema}".pgjobs_dead_letter').fetchall()
+    assert dead == [("malformed",)]
+
+
+def test_a_body_kombu_cannot_decode_is_buried_and_the_rest_delivered(connect, db, schema):
+    conn = connect()
+    got: list[Any] = []
+    _consume(conn, "bd", got)
+    for text in ('{"properties": {"body_encoding": "bogus"}, "body": "x"}',
+                 '{"properties": {"body_encoding": "base64"}, "body": 5}'):
+        db.execute(f'INSERT INTO "{schema}".pgjobs_job (queue, message) VALUES (%s, %s)',
+                   ["bd", text])
+    with conn.Producer() as producer:
+        producer.publish({"i": 1}, routing_key="bd")
+    _drain(conn, lambda: len(got) >= 1, 10)
+    assert [m.payload for m in got] == [{"i": 1}]
+    reasons = db.execute(f'SELECT reason FROM "{schema}".pgjobs_dead_letter').fetchall()
+    assert reasons == [("malformed",)] * 2
+    got[0].ack()
+    _drain(conn, lambda: not _rows(db, schema), 10)
+    assert _rows(db, schema) == []
