@@ -259,13 +259,10 @@ class Backend:
         if not self.options.durable_publish:
             # per publish transaction, never a session SET (it would leak behind PgBouncer)
             self.core.commit_async(conn)
-        # each publish's NOTIFY after its commit, not under its commit (schema 0008)
-        self.core.notify_after(conn)
         if not self.options.confirm_publish:
-            insert = self.core.insert_query("job_insert", durable=self.options.durable_publish,
-                                            notify=False)
-            self._unconfirmed = Unconfirmed(conn, insert, self.core.notify_query("job_insert"),
-                                            channel=self.core.channel,
+            insert = self.core.insert_query("job_insert",
+                                            durable=self.options.durable_publish)
+            self._unconfirmed = Unconfirmed(conn, insert,
                                             prepare=self.options.use_listen_notify)
             if self._resend:
                 try:
