@@ -32,6 +32,8 @@ __all__ = [
     "InvalidOption",
     "InvalidSSL",
     "InvalidTaskOption",
+    "InvalidTenant",
+    "InvalidTenantOption",
     "InvalidURL",
     "KeyBusy",
     "MessageError",
@@ -41,6 +43,8 @@ __all__ = [
     "PublishFailed",
     "SchemaTooNew",
     "StateConflict",
+    "TenantMismatch",
+    "TenantRequired",
     "UnknownQueue",
     "UnknownState",
     "UsageError",
@@ -197,6 +201,36 @@ class UsageError(InvalidArgument):
     2, and JSON under ``--json``."""
 
     code = "PGJ-408"
+
+
+class TenantRequired(InvalidTaskOption):
+    """The app sets ``pgjobs_tenant_required = True`` and a task was declared without
+    ``tenant=``: declare whose work it is (``tenant=lambda *a, **kw: kw["org_id"]``) or
+    ``tenant="none"`` for work that acts for no tenant."""
+
+    code = "PGJ-501"
+
+
+class InvalidTenantOption(InvalidTaskOption):
+    """A task's ``tenant=`` is neither a callable of the task's arguments nor ``"none"``."""
+
+    code = "PGJ-502"
+
+
+class InvalidTenant(PgJobsError):
+    """A task's tenant function raised on the task's arguments, or returned something other than
+    a non-empty string of at most 200 characters without control characters: nothing was
+    written (at publish), or the body did not run (in the worker)."""
+
+    code = "PGJ-503"
+
+
+class TenantMismatch(PgJobsError):
+    """A message's ``x-pgjobs-tenant`` header names another tenant than the task's declaration
+    gives for the message's arguments: the header is attribution, never authority, so the body
+    is not run under either (the message was published by hand or tampered with)."""
+
+    code = "PGJ-504"
 
 
 class MigrationError(PgJobsError):
