@@ -16,6 +16,10 @@
   limits enforced by the claim in Postgres; app settings ``pgjobs_queue_limits``,
   ``pgjobs_global_limit``, ``pgjobs_tenant_limit``, ``pgjobs_tenant_rate``. See
   :mod:`celery_ext.limits`.
+* ``tenant``: a function of the task's arguments naming the tenant a message acts for, or
+  ``"none"``; stamped as ``x-pgjobs-tenant`` at publish and installed for the body as
+  :func:`celery_ext.current_tenant`. App setting ``pgjobs_tenant_required = True`` refuses tasks
+  that declare none. See :mod:`celery_ext.tenant` and docs/tenancy.md.
 
 A task with its own base class gets the same by deriving it from :class:`celery_ext.Task`.
 """
@@ -35,8 +39,9 @@ from .deadletter import on_task_failure
 from .limits import check_app_limits
 from .retry import RULES, PgJobsTask
 from .state import add_app, installed
+from .tenant import check_tenant_required, current_tenant
 
-__all__ = ["RULES", "Task", "install"]
+__all__ = ["RULES", "Task", "current_tenant", "install"]
 
 #: the task base class (use as ``base=celery_ext.Task`` in apps that set their own base)
 Task = PgJobsTask
@@ -68,7 +73,7 @@ def install(app: Any) -> Any:
                     "or give those tasks base=celery_ext.Task")
             del app.__dict__["Task"]
         app.task_cls = composed
-    app.task = _checked_at_declaration(app.task)
+    app.task = _checked_at_declaration(app, app.task)
     signals.task_failure.connect(
         on_task_failure, weak=False, dispatch_uid="celery_ext.deadletter")
     add_app(app)
@@ -78,23 +83,41 @@ def install(app: Any) -> Any:
 #: task options celery_ext reads; checked where ``@app.task(...)`` is written
 _OPTIONS = ("max_attempts", "terminal", "retry_after", "retry_after_seconds", "retry_after_max",
             "retry_after_jitter", "retryable", "dead_letter", "concurrency", "concurrency_key",
-            "concurrency_per_key", "when_busy")
+            "concurrency_per_key", "when_busy", "tenant")
 
 
-def _checked_at_declaration(task: Callable[..., Any]) -> Callable[..., Any]:
+def _checked_at_declaration(app: Any, task: Callable[..., Any]) -> Callable[..., Any]:
     """``app.task`` that checks celery_ext's options at the decorator: Celery makes task
     classes lazily (at the first use of the task), which would report a bad declaration far from
-    where it was written."""
+    where it was written. ``pgjobs_tenant_required`` is read from the settings given so far
+    (without loading the app's configuration early); the task's ``bind`` checks it again
+    against the loaded configuration."""
     if getattr(task, "_celery_ext_checked", False):
         return task
 
-    @functools.wraps(task)
-    def checked(*args: Any, **opts: Any) -> Any:
+    def check(opts: dict[str, Any], fun: Any) -> None:
+        name = opts.get("name") or (app.gen_task_name(fun.__name__, fun.__module__)
+                                    if fun is not None else None)
         ours = {k: v for k, v in opts.items() if k in _OPTIONS}
         if ours:  # making a throwaway subclass runs the same checks the real one will
-            type("declared", (PgJobsTask,), {"__module__": __name__,
-                                              "name": opts.get("name"), **ours})
-        return task(*args, **opts)
+            type("declared", (PgJobsTask,), {"__module__": __name__, "name": name, **ours})
+        check_tenant_required(
+            name or "?", opts.get("tenant", getattr(opts.get("base"), "tenant", None)),
+            app.conf if getattr(app, "configured", False)
+            else getattr(app, "_preconf", None) or {})
+
+    @functools.wraps(task)
+    def checked(*args: Any, **opts: Any) -> Any:
+        if len(args) == 1 and callable(args[0]):  # @app.task without parentheses
+            check(opts, args[0])
+            return task(*args, **opts)
+        decorator = task(*args, **opts)
+
+        @functools.wraps(decorator)
+        def decorate(fun: Any) -> Any:
+            check(opts, fun)
+            return decorator(fun)
+        return decorate
 
     checked._celery_ext_checked = True  # type: ignore[attr-defined]
     return checked

@@ -32,10 +32,17 @@ from celery.exceptions import TaskPredicate
 from celery.utils.time import get_exponential_backoff_interval
 
 from kombu_pgjobs.admin import LAST_ERROR_HEADER
-from kombu_pgjobs.errors import InvalidLimit, InvalidTaskOption
+from kombu_pgjobs.errors import InvalidLimit, InvalidTaskOption, PgJobsError
 
 from .headers import with_task_headers
 from .limits import check_task_limits, needs_late_ack, with_limits
+from .tenant import (
+    check_tenant_option,
+    check_tenant_required,
+    installed_tenant,
+    tenant_for_body,
+    with_tenant,
+)
 
 __all__ = [
     "RULES",
@@ -198,20 +205,27 @@ class PgJobsTask(CeleryTask):
     concurrency_per_key: int | None = None
     #: a full key: "wait" (stay queued, uncounted) or "fail" (dead-lettered, PGJ-302)
     when_busy: str = "wait"
+    #: callable(*args, **kwargs) -> str: whose work a message is; "none": no one's; None:
+    #: undeclared (see celery_ext.tenant)
+    tenant: Callable[..., str] | str | None = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        for option in ("retry_after_seconds", "concurrency_key"):
+        for option in ("retry_after_seconds", "concurrency_key", "tenant"):
             if isinstance(cls.__dict__.get(option), type(lambda: None)):
                 # a plain function given as a task option must not become a bound method
                 setattr(cls, option, staticmethod(cls.__dict__[option]))
         _check_options(cls)
         check_task_limits(cls)
+        check_tenant_option(cls)
 
     @classmethod
     def bind(cls, app: Any) -> Any:
         explicit = cls.__dict__.get("acks_late")
         bound = super().bind(app)
+        # the decorator checked the settings known then; a configuration loaded later
+        # (config_from_object) is checked here, before the task can publish or run
+        check_tenant_required(cls.name, cls.tenant, app.conf)
         if needs_late_ack(cls, app.conf):
             if explicit is False:
                 raise InvalidLimit(
@@ -221,6 +235,15 @@ class PgJobsTask(CeleryTask):
         return bound
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            tenant = tenant_for_body(self, args, kwargs)
+        except PgJobsError as exc:  # the body must not run; retrying cannot fix the message
+            _mark(exc, "terminal")
+            raise
+        with installed_tenant(tenant):
+            return self._run_classified(*args, **kwargs)
+
+    def _run_classified(self, *args: Any, **kwargs: Any) -> Any:
         try:
             return super().__call__(*args, **kwargs)
         except TaskPredicate:  # Retry, Ignore, Reject: Celery's own control flow
@@ -238,6 +261,7 @@ class PgJobsTask(CeleryTask):
                     producer: Any = None, link: Any = None, link_error: Any = None,
                     shadow: Any = None, **options: Any) -> Any:
         headers = with_task_headers(self, options.get("headers"))
+        headers = with_tenant(self, args, kwargs, headers)  # before limits: tenant caps read it
         headers = with_limits(self, args, kwargs, options, headers)
         if headers is not None:
             options["headers"] = headers
