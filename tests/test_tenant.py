@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 import sys
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -21,7 +23,7 @@ from celery import Celery, chain, group
 
 import celery_ext
 import kombu_pgjobs
-from celery_ext.limits import TENANT_HEADER
+from celery_ext.limits import TENANT_HEADER, check_app_limits
 from kombu_pgjobs.errors import (
     InvalidTaskOption,
     InvalidTenant,
@@ -324,6 +326,27 @@ def test_no_tenant_is_left_behind_on_the_same_child(db, tenant_table, url,
         "pgjobs_test_tenant WHERE phase <> 'body' GROUP BY phase ORDER BY phase").fetchall()
     # around every body run (10) and the forged one, whose __call__ refused it: no tenant
     assert around == [("postrun", 11, 0, 1), ("prerun", 11, 0, 1)]
+    dead = db.execute(f"SELECT task, error->>'type', error->>'rule' FROM \"{schema}\"."
+                      "pgjobs_dead_letter WHERE task = 'record'").fetchall()
+    assert dead == [("record", "kombu_pgjobs.errors.TenantMismatch", "terminal")]
     pids = db.execute(f'SELECT count(DISTINCT pid) FROM "{schema}".pgjobs_test_tenant'
                       ).fetchone()[0]
     assert pids == 1, "every task ran on the same child"
+
+
+# ---------------------------------------------------------------- the docs page
+
+def test_the_code_in_docs_tenancy_runs() -> None:
+    text = (Path(__file__).resolve().parent.parent / "docs" / "tenancy.md").read_text("utf-8")
+    blocks = re.findall(r"^```python\n(.*?)^```", text, re.MULTILINE | re.DOTALL)
+    assert len(blocks) == 3
+    ns: dict[str, Any] = {}
+    exec(compile(blocks[0], "docs/tenancy.md", "exec"), ns)
+    assert ns["sync_orders"](org_id="acme") == "acme"
+    assert ns["rebuild_search_index"]() is None
+    with pytest.raises(TenantRequired):
+        exec(compile("@app.task\ndef forgot() -> None: ...", "forgot", "exec"), ns)
+    exec(compile(blocks[1], "docs/tenancy.md", "exec"), ns)
+    exec(compile(blocks[2], "docs/tenancy.md", "exec"), ns)
+    limits = check_app_limits(ns["app"].conf)
+    assert (limits.tenant_limit, limits.tenant_rate) == (10, (100, 60.0))
