@@ -39,7 +39,7 @@ from .deadletter import on_task_failure
 from .limits import check_app_limits
 from .retry import RULES, PgJobsTask
 from .state import add_app, installed
-from .tenant import check_tenant_required, current_tenant
+from .tenant import check_tenant_required, current_tenant, tenant_required
 
 __all__ = ["RULES", "Task", "current_tenant", "install"]
 
@@ -57,8 +57,10 @@ def install(app: Any) -> Any:
         return app
     # Settings given so far (without loading the app's configuration early); the rest are
     # checked at the first publish.
-    check_app_limits(app.conf if getattr(app, "configured", False)
-                     else getattr(app, "_preconf", None) or {})
+    given = app.conf if getattr(app, "configured", False) \
+        else getattr(app, "_preconf", None) or {}
+    check_app_limits(given)
+    tenant_required(given)
     base = symbol_by_name(app.task_cls)
     if not issubclass(base, PgJobsTask):
         composed = PgJobsTask if base.__name__ == "Task" and base.__module__ == \

@@ -141,6 +141,10 @@ def test_bad_tenant_option_is_refused_at_the_decorator(value: Any) -> None:
 
 
 def test_bad_required_setting_is_refused() -> None:
+    early = Celery("early")
+    early.conf.pgjobs_tenant_required = 1
+    with pytest.raises(InvalidTenantOption):
+        celery_ext.install(early)
     app = Celery("badsetting")
     celery_ext.install(app)
     app.conf.pgjobs_tenant_required = "yes"
@@ -283,6 +287,9 @@ def test_nested_chain_and_group_members_carry_their_own_tenant(db, tenant_table,
         "chain-3": ("record", "c3"), "chain-4": ("record_none", None),
         **{f"group-{n}": ("record", f"g{n}") for n in range(4)},
     }
+    # at the message level too: the caller's header is not copied onto its children
+    assert sorted((task, tenant) for task, tenant, _ in _jobs(db, schema)) == [
+        ("record", "child"), ("undeclared", None)]
 
 
 @pytest.mark.e2e

@@ -77,6 +77,9 @@ def nested(label: str, *, org: str, child_org: str) -> None:
     record.delay(f"{label}/record", org=child_org)
     undeclared.delay(f"{label}/undeclared")
     record_none.delay(f"{label}/none", org)
+    # held for an hour, so the test reads what their messages carry from pgjobs_job
+    undeclared.apply_async((f"{label}/later",), countdown=3600)
+    record.apply_async((f"{label}/later",), {"org": child_org}, countdown=3600)
 
 
 def _label(args: Any, kwargs: Any) -> str | None:
