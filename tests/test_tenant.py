@@ -39,6 +39,17 @@ APP = "tests.apps.tenanted"
 
 # ---------------------------------------------------------------- helpers
 
+@pytest.fixture(autouse=True)
+def _no_shared_tasks_left() -> Any:
+    """Tasks declared here (and in the docs' code) are Celery "shared" tasks, which every app
+    finalized later would get: forget them after each test, so other tests' apps stay clean."""
+    from celery import _state
+
+    saved = set(_state._on_app_finalizers)
+    yield
+    _state._on_app_finalizers.intersection_update(saved)
+
+
 @pytest.fixture
 def tenant_table(db: psycopg.Connection[Any], schema: str) -> str:
     db.execute(f'CREATE SCHEMA IF NOT EXISTS "{schema}"')
