@@ -21,11 +21,17 @@ See :data:`kombu_pgjobs.options.OPTIONS` and docs/reference/configuration.md.
 
 Design
 ======
+This module is the thin kombu adapter; the consumer loop (claims, waits, Celery's event loop,
+the claim connection's states on faults) is :mod:`kombu_pgjobs.consumer`, every statement is in
+:mod:`kombu_pgjobs.core` and ``sql/``.
+
 * ``drain_events`` claims up to the channel's free prefetch window in ONE statement that also
   deletes the acks buffered since the last claim (fenced), and delivers every claimed row.
 * It refills at a low-water mark (half the window), not per freed slot, and never sleeps a
-  polling interval while work waits: it blocks in ``select()`` on the claim connection's socket
-  (which LISTENs) and on a self-pipe that acks poke.
+  polling interval while work waits: it blocks in ``poll()`` on the claim connection's socket
+  (which LISTENs while the connection consumes) and on a self-pipe that acks poke.
+* A broken database connection is not a kombu connection loss: the loop reconnects by itself
+  and nothing delivered is handed back (see :mod:`kombu_pgjobs.consumer`).
 * An ack is buffered (thread-safe, non-blocking) and flushed within ``ack_flush_interval`` by
   the consumer thread, or folded into the next claim. A crash before the flush re-delivers the
   message after its lease lapses; nothing acked-and-flushed is ever re-delivered.
