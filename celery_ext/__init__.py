@@ -20,6 +20,11 @@
   ``"none"``; stamped as ``x-pgjobs-tenant`` at publish and installed for the body as
   :func:`celery_ext.current_tenant`. App setting ``pgjobs_tenant_required = True`` refuses tasks
   that declare none. See :mod:`celery_ext.tenant` and docs/tenancy.md.
+* ``idempotency_key``: a function of the task's arguments naming a key; while a live message
+  of the task and tenant holds it, another publish inserts nothing and returns the holder's
+  ``AsyncResult`` (also ``apply_async(..., idempotency_key="...")``). App setting
+  ``pgjobs_tenant_max_queued = N`` refuses a publish that would give a tenant more than N live
+  messages (``TenantQueueFull``, ``PGJ-506``). See :mod:`celery_ext.idempotency`.
 
 A task with its own base class gets the same by deriving it from :class:`celery_ext.Task`.
 """
@@ -36,6 +41,7 @@ from celery.utils.imports import symbol_by_name
 from kombu_pgjobs.errors import InvalidTaskOption
 
 from .deadletter import on_task_failure
+from .idempotency import max_queued
 from .limits import check_app_limits
 from .retry import RULES, PgJobsTask
 from .state import add_app, installed
@@ -61,6 +67,7 @@ def install(app: Any) -> Any:
         else getattr(app, "_preconf", None) or {}
     check_app_limits(given)
     tenant_required(given)
+    max_queued(given)
     base = symbol_by_name(app.task_cls)
     if not issubclass(base, PgJobsTask):
         composed = PgJobsTask if base.__name__ == "Task" and base.__module__ == \
@@ -85,7 +92,7 @@ def install(app: Any) -> Any:
 #: task options celery_ext reads; checked where ``@app.task(...)`` is written
 _OPTIONS = ("max_attempts", "terminal", "retry_after", "retry_after_seconds", "retry_after_max",
             "retry_after_jitter", "retryable", "dead_letter", "concurrency", "concurrency_key",
-            "concurrency_per_key", "when_busy", "tenant")
+            "concurrency_per_key", "when_busy", "tenant", "idempotency_key")
 
 
 def _checked_at_declaration(app: Any, task: Callable[..., Any]) -> Callable[..., Any]:

@@ -32,9 +32,11 @@ from celery.exceptions import TaskPredicate
 from celery.utils.time import get_exponential_backoff_interval
 
 from kombu_pgjobs.admin import LAST_ERROR_HEADER
-from kombu_pgjobs.errors import InvalidLimit, InvalidTaskOption, PgJobsError
+from kombu_pgjobs.core import take_publish_outcome
+from kombu_pgjobs.errors import InvalidLimit, InvalidTaskOption, PgJobsError, PublishFailed
 
 from .headers import with_task_headers
+from .idempotency import check_idempotency_option, retrying, with_guards
 from .limits import check_task_limits, needs_late_ack, with_limits
 from .tenant import (
     check_tenant_option,
@@ -176,6 +178,10 @@ def _check_options(cls: type) -> None:
             f"attribute name, got {source!r}")
 
 
+#: headers whose publish has an outcome to read (an idempotency key, a tenant cap)
+_GUARD_HEADERS = ("x-pgjobs-idempotency-key", "x-pgjobs-tenant-max-queued")
+
+
 class PgJobsTask(CeleryTask):
     """Celery's Task with pgjobs options: attempts, retry classification, dead letters."""
 
@@ -208,16 +214,20 @@ class PgJobsTask(CeleryTask):
     #: callable(*args, **kwargs) -> str: whose work a message is; "none": no one's; None:
     #: undeclared (see celery_ext.tenant)
     tenant: Callable[..., str] | str | None = None
+    #: callable(*args, **kwargs) -> str: while a live message of this task and tenant holds the
+    #: key, publishing another inserts nothing (see celery_ext.idempotency)
+    idempotency_key: Callable[..., str] | None = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        for option in ("retry_after_seconds", "concurrency_key", "tenant"):
+        for option in ("retry_after_seconds", "concurrency_key", "tenant", "idempotency_key"):
             if isinstance(cls.__dict__.get(option), type(lambda: None)):
                 # a plain function given as a task option must not become a bound method
                 setattr(cls, option, staticmethod(cls.__dict__[option]))
         _check_options(cls)
         check_task_limits(cls)
         check_tenant_option(cls)
+        check_idempotency_option(cls)
 
     @classmethod
     def bind(cls, app: Any) -> Any:
@@ -263,10 +273,25 @@ class PgJobsTask(CeleryTask):
         headers = with_task_headers(self, options.get("headers"))
         headers = with_tenant(self, args, kwargs, headers)  # before limits: tenant caps read it
         headers = with_limits(self, args, kwargs, options, headers)
+        headers = with_guards(self, args, kwargs, options, headers)  # after the tenant
         if headers is not None:
             options["headers"] = headers
-        return super().apply_async(args, kwargs, task_id, producer, link, link_error, shadow,
-                                   **options)
+        guarded = headers is not None and any(h in headers for h in _GUARD_HEADERS)
+        if guarded:
+            take_publish_outcome()  # nothing stale can answer for this publish
+        result = super().apply_async(args, kwargs, task_id, producer, link, link_error,
+                                     shadow, **options)
+        if not guarded:
+            return result
+        outcome = take_publish_outcome(result.id)
+        if outcome is None or outcome.inserted:  # inserted, or held for a batch (or eager)
+            return result
+        if outcome.holder_task_id is None:
+            raise PublishFailed(
+                f"task {self.name}: the idempotency key of message {result.id} was taken and "
+                "freed again three times while it was published; nothing was queued: "
+                "publish it again")
+        return self.AsyncResult(outcome.holder_task_id)
 
     def _backoff(self) -> float:
         """Celery's own retry delay, read the way its autoretry reads these options."""
@@ -302,5 +327,6 @@ class PgJobsTask(CeleryTask):
                     "message": str(exc)[:2000], "rule": rule or "unclassified",
                     "retries": self.request.retries}
                 options["headers"] = headers
-        return super().retry(args=args, kwargs=kwargs, exc=exc, throw=throw, eta=eta,
-                             countdown=countdown, max_retries=max_retries, **options)
+        with retrying():  # not capped; takes its key over from the message it retries
+            return super().retry(args=args, kwargs=kwargs, exc=exc, throw=throw, eta=eta,
+                                 countdown=countdown, max_retries=max_retries, **options)

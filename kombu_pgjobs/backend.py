@@ -210,11 +210,18 @@ class Backend:
             self.settled(pair, hit, "bury")
 
     def publish(self, job: NewJob) -> None:
+        """Publish one message: held for the batch inside ``kombu_pgjobs.batch()``, sent
+        unconfirmed with ``confirm_publish=False``, else inserted before returning.
+
+        A guarded message (an idempotency key or a tenant queue cap) is always confirmed,
+        whatever ``confirm_publish`` says: its outcome (inserted, or the holder of its key;
+        refused by the cap) is what the publisher acts on, so it must be known at return
+        (:func:`kombu_pgjobs.core.take_publish_outcome`)."""
         held = pending(self)
         if held is not None:  # inside kombu_pgjobs.batch(): inserted when the block exits
             held.append(job)
             return
-        if self.options.confirm_publish:
+        if self.options.confirm_publish or job.guarded:
             self.publishing(lambda conn: self.core.publish(conn, job))
             return
         with self._publish_lock:

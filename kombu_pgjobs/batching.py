@@ -4,6 +4,14 @@ Inside ``with kombu_pgjobs.batch():`` every message this thread publishes throug
 ``Producer.publish``, Celery ``delay``/``apply_async``, ``group(...).apply_async()``) is held and
 inserted in one statement per database when the block exits — durable when the block returns.
 If the block raises, nothing is published. Fanout publishes (remote control) are not batched.
+
+Messages with an idempotency key are answered per message: ``with batch() as b:`` gives a
+:class:`Batch` whose :attr:`Batch.duplicates` maps, once the block has exited, the task id of
+each message that inserted nothing (its key was held by a live message, or by an earlier
+message of the same batch) to the task id of the holder. Inside the block, ``apply_async``
+returns the ``AsyncResult`` of the message it built: the batch has not been sent yet. A tenant
+over its queue cap (``TenantQueueFull``) fails the whole batch of that database: nothing of it
+is written.
 """
 
 from __future__ import annotations
@@ -11,12 +19,13 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .core import NewJob
 
-__all__ = ["batch", "pending"]
+__all__ = ["Batch", "batch", "pending"]
 
 _local = threading.local()
 
@@ -29,18 +38,39 @@ def pending(backend: Any) -> list[NewJob] | None:
     return held.setdefault(backend, [])
 
 
+@dataclass
+class Batch:
+    """What a ``batch()`` block published, filled when it exits."""
+
+    #: messages inserted
+    inserted: int = 0
+    #: task id of a message that inserted nothing (a duplicate idempotency key) -> the task id
+    #: of the live message holding its key (None: the key was taken and freed again meanwhile;
+    #: publish it again)
+    duplicates: dict[str | None, str | None] = field(default_factory=dict)
+
+
 @contextmanager
-def batch() -> Iterator[None]:
+def batch() -> Iterator[Batch]:
+    result = Batch()
+    outer: Batch | None = getattr(_local, "result", None)
     if getattr(_local, "held", None) is not None:  # nested: the outer block publishes
-        yield
+        yield outer if outer is not None else result
         return
     _local.held = {}
+    _local.result = result
     try:
-        yield
+        yield result
     except BaseException:
-        _local.held = None
+        _local.held = _local.result = None
         raise
-    held, _local.held = _local.held, None
+    held, _local.held, _local.result = _local.held, None, None
     for backend, jobs in held.items():
         if jobs:
-            backend.publishing(lambda conn, b=backend, j=jobs: b.core.publish_many(conn, j))
+            outcomes = backend.publishing(
+                lambda conn, b=backend, j=jobs: b.core.publish_batch(conn, j))
+            for o in outcomes:
+                if o is None or o.inserted:
+                    result.inserted += 1
+                else:
+                    result.duplicates[o.task_id] = o.holder_task_id

@@ -26,28 +26,51 @@ import psycopg
 from psycopg import sql
 from psycopg.types.json import Jsonb
 
-from .errors import MessageError
+from .errors import (
+    InvalidIdempotencyKey,
+    InvalidLimitKey,
+    InvalidTenant,
+    MessageError,
+    TenantQueueFull,
+)
 from .events import log_event
-from .limits import LIMITS_HEADER
+from .limits import LIMITS_HEADER, check_cap, check_key
 from .limits import normalise as normalise_limits
 from .options import validate_queue_name, validate_schema_name
 from .sql import queries, raw_queries, with_limit
 
 __all__ = [
+    "IDEMPOTENCY_HEADER",
     "MAX_ATTEMPTS_HEADER",
+    "MAX_QUEUED_HEADER",
+    "TENANT_HEADER",
     "ClaimResult",
     "Claimed",
     "HeldBack",
     "JobId",
     "NewJob",
+    "PublishOutcome",
     "QueueCore",
     "job_from_message",
+    "take_publish_outcome",
 ]
 
 
 JobId = NewType("JobId", int)
 #: Header a publisher (celery_ext) may set to override the max_attempts transport option.
 MAX_ATTEMPTS_HEADER = "x-pgjobs-max-attempts"
+#: The tenant a message acts for (celery_ext stamps it from the task's declaration): stored in
+#: the row's ``tenant`` column, which the tenant queue cap counts and the CLI filters on.
+TENANT_HEADER = "x-pgjobs-tenant"
+#: While a live message of the same task and tenant holds this key, a publish of another one
+#: inserts nothing (the publisher learns the holder's task id): see :class:`PublishOutcome`.
+IDEMPOTENCY_HEADER = "x-pgjobs-idempotency-key"
+#: The most live messages the message's tenant may have (the app's
+#: ``pgjobs_tenant_max_queued``, carried by each message because the transport never reads
+#: Celery's configuration); a publish beyond it is refused with TenantQueueFull (PGJ-506).
+MAX_QUEUED_HEADER = "x-pgjobs-tenant-max-queued"
+#: SQLSTATE pgjobs_publish_guarded_v1 raises when a tenant's queue cap would be exceeded
+_QUEUE_FULL = "PJ506"
 
 Pair = tuple[int, int]  # (job id, claim number): what a delivery tag carries
 
@@ -65,6 +88,60 @@ class NewJob:
     message: str
     #: validated x-pgjobs-limits header as JSON (None: no limits)
     limits: str | None = None
+    #: x-pgjobs-tenant (None: no tenant)
+    tenant: str | None = None
+    #: x-pgjobs-idempotency-key (None: none)
+    idempotency_key: str | None = None
+    #: x-pgjobs-tenant-max-queued, kept only when the message has a tenant (None: no cap)
+    max_queued: int | None = None
+    #: the Celery task id (headers ``id``), read only for a guarded message: what its
+    #: publisher is told it published
+    task_id: str | None = None
+
+    @property
+    def guarded(self) -> bool:
+        """Published by the guarded statement (a key or a cap), not the plain INSERT."""
+        return self.idempotency_key is not None or self.max_queued is not None
+
+
+@dataclass(frozen=True, slots=True)
+class PublishOutcome:
+    """What became of a guarded publish (a message with an idempotency key or a tenant cap).
+
+    ``inserted``: the message is queued (``job_id`` its row, when it has a key). Otherwise it
+    was a duplicate and ``holder_job_id`` / ``holder_task_id`` name the live message that holds
+    its key (that task id is what celery_ext's ``apply_async`` returns) — or, both None, the
+    key was taken and freed again three times during the publish and nothing was inserted
+    (publish again)."""
+
+    task_id: str | None
+    inserted: bool
+    job_id: int | None = None
+    holder_job_id: int | None = None
+    holder_task_id: str | None = None
+
+    @property
+    def duplicate(self) -> bool:
+        return not self.inserted and self.holder_job_id is not None
+
+
+#: The outcome of the last guarded publish on this thread (celery_ext reads it right after the
+#: publish it made; kombu_pgjobs never imports Celery).
+_outcome = threading.local()
+
+
+def take_publish_outcome(task_id: str | None = None) -> PublishOutcome | None:
+    """The outcome of this thread's last guarded publish, forgotten once read; None when there
+    was none (or it was for another ``task_id``: never a stale answer for this message)."""
+    outcome: PublishOutcome | None = getattr(_outcome, "last", None)
+    _outcome.last = None
+    if outcome is None or (task_id is not None and outcome.task_id != task_id):
+        return None
+    return outcome
+
+
+def _set_outcome(outcome: PublishOutcome | None) -> None:
+    _outcome.last = outcome
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,9 +254,30 @@ def job_from_message(queue: str, message: Mapping[str, Any]) -> NewJob:
         _number(MAX_ATTEMPTS_HEADER, raw_max, minimum=1, maximum=1_000_000))
     task = headers.get("task")
     limits = normalise_limits(headers.get(LIMITS_HEADER))
+    tenant = headers.get(TENANT_HEADER)
+    if tenant is not None:
+        try:
+            tenant = check_key(tenant, f"{TENANT_HEADER} header")
+        except InvalidLimitKey as exc:
+            raise InvalidTenant(str(exc)) from None
+    key = headers.get(IDEMPOTENCY_HEADER)
+    if key is not None:
+        try:
+            key = check_key(key, f"{IDEMPOTENCY_HEADER} header")
+        except InvalidLimitKey as exc:
+            raise InvalidIdempotencyKey(str(exc)) from None
+    raw_cap = headers.get(MAX_QUEUED_HEADER)
+    max_queued = None if raw_cap is None else check_cap(raw_cap, f"{MAX_QUEUED_HEADER} header")
+    if tenant is None:
+        max_queued = None  # nobody's queue to cap
+    task_id = None
+    if key is not None or max_queued is not None:
+        raw_id = headers.get("id", props.get("correlation_id"))
+        task_id = raw_id if isinstance(raw_id, str) else None
     text = _message_json(message)
     return NewJob(queue, priority, _parse_eta(headers.get("eta")), ttl_ms, max_attempts,
-                  task if isinstance(task, str) else None, text, limits)
+                  task if isinstance(task, str) else None, text, limits, tenant, key,
+                  max_queued, task_id)
 
 
 def _pairs(pairs: Iterable[Pair]) -> tuple[list[int], list[int]]:
@@ -278,20 +376,37 @@ class QueueCore:
     def _insert(self, conn: psycopg.Connection, name: str) -> sql.Composed:
         return self.insert_query(name, durable=conn not in _ASYNC_COMMIT)
 
-    def publish(self, conn: psycopg.Connection, job: NewJob) -> None:
+    def publish(self, conn: psycopg.Connection, job: NewJob) -> PublishOutcome | None:
         """Insert one message (one round trip). Durable when ``conn`` commits (unless
-        :meth:`commit_async` was called for ``conn``)."""
+        :meth:`commit_async` was called for ``conn``).
+
+        A guarded message (an idempotency key or a tenant cap) goes through the guarded
+        statement, still one round trip; its outcome is returned and kept for
+        :func:`take_publish_outcome`. A tenant over its cap raises TenantQueueFull (PGJ-506)
+        and nothing is written. Other messages run the plain INSERT and return None."""
+        if job.guarded:
+            return self.publish_batch(conn, [job])[0]
         conn.execute(self._insert(conn, "job_insert"), {
             "queue": job.queue, "priority": job.priority, "run_at": job.run_at,
             "ttl_ms": job.ttl_ms, "max_attempts": job.max_attempts, "task": job.task,
-            "limits": job.limits, "message": job.message,
+            "limits": job.limits, "message": job.message, "tenant": job.tenant,
         })
+        return None
 
     def publish_many(self, conn: psycopg.Connection, jobs: Sequence[NewJob]) -> int:
-        """Insert many messages in one statement: the batch path."""
+        """Insert many messages in one statement: the batch path. Returns the number of rows
+        inserted (a duplicate of a held idempotency key inserts none)."""
+        outcomes = self.publish_batch(conn, jobs)
+        return sum(1 for o in outcomes if o is None or o.job_id is not None)
+
+    def publish_batch(self, conn: psycopg.Connection,
+                      jobs: Sequence[NewJob]) -> list[PublishOutcome | None]:
+        """Insert many messages in one statement; one outcome per message (None for a message
+        without a key or cap: inserted). A batch with a guarded message runs the guarded
+        statement for all of them (one statement: a cap refusal writes nothing of the batch)."""
         if not jobs:
-            return 0
-        conn.execute(self._insert(conn, "job_insert_many"), {
+            return []
+        params: dict[str, Any] = {
             "queue": [j.queue for j in jobs],
             "priority": [j.priority for j in jobs],
             "run_at": [j.run_at for j in jobs],
@@ -300,15 +415,42 @@ class QueueCore:
             "task": [j.task for j in jobs],
             "limits": [j.limits for j in jobs],
             "message": [j.message for j in jobs],
-        })
-        return len(jobs)
+            "tenant": [j.tenant for j in jobs],
+        }
+        if not any(j.guarded for j in jobs):
+            conn.execute(self._insert(conn, "job_insert_many"), params)
+            return [None] * len(jobs)
+        params.update(key=[j.idempotency_key for j in jobs],
+                      max_queued=[j.max_queued for j in jobs],
+                      task_id=[j.task_id for j in jobs], channel=self.channel)
+        params["async"] = conn in _ASYNC_COMMIT
+        try:
+            rows = conn.execute(self.q["job_insert_guarded"], params).fetchall()
+        except psycopg.Error as exc:
+            if exc.sqlstate == _QUEUE_FULL:
+                detail = exc.diag.message_primary or str(exc)
+                raise TenantQueueFull(
+                    f"{detail}: nothing was published. Wait for the tenant's messages to run, "
+                    "or raise pgjobs_tenant_max_queued") from None
+            raise
+        # Keyless messages are all inserted (a cap refusal raised above); keyed ones are
+        # answered row by row.
+        outcomes: list[PublishOutcome | None] = [
+            None if not j.guarded else PublishOutcome(j.task_id, j.idempotency_key is None)
+            for j in jobs]
+        for n, job_id, holder_id, holder_task in rows:
+            outcomes[n - 1] = PublishOutcome(jobs[n - 1].task_id, job_id is not None, job_id,
+                                             holder_id, holder_task)
+        if len(jobs) == 1:
+            _set_outcome(outcomes[0])
+        return outcomes
 
     def publish_fanout(self, conn: psycopg.Connection, exchange: str, job: NewJob) -> None:
         """Insert one copy of a message per queue bound to a fanout exchange."""
         conn.execute(self._insert(conn, "job_insert_fanout"), {
             "exchange": exchange, "priority": job.priority, "run_at": job.run_at,
             "ttl_ms": job.ttl_ms, "max_attempts": job.max_attempts, "task": job.task,
-            "limits": job.limits, "message": job.message,
+            "limits": job.limits, "message": job.message, "tenant": job.tenant,
         })
 
     # -- claim and settle ----------------------------------------------------------------

@@ -233,6 +233,23 @@ class TenantMismatch(PgJobsError):
     code = "PGJ-504"
 
 
+class InvalidIdempotencyKey(PgJobsError):
+    """A message's idempotency key (``apply_async(idempotency_key=...)``, a task's declared
+    ``idempotency_key=`` function, or the ``x-pgjobs-idempotency-key`` header) is not a
+    non-empty string of at most 200 characters without control characters, or the function
+    raised: nothing was written."""
+
+    code = "PGJ-505"
+
+
+class TenantQueueFull(PgJobsError):
+    """Publishing would give a tenant more live messages (ready, delayed, waiting or running)
+    than ``pgjobs_tenant_max_queued`` allows: nothing was written. Publish again once some of
+    the tenant's messages have run, or raise the cap."""
+
+    code = "PGJ-506"
+
+
 class MigrationError(PgJobsError):
     """The pgjobs schema could not be migrated."""
 

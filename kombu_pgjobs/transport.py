@@ -308,6 +308,16 @@ class Transport(virtual.Transport):
         psycopg.InterfaceError,
     )
     channel_errors = (*virtual.Transport.channel_errors, PgJobsError, psycopg.DatabaseError)
+    #: What kombu's ``ensure`` (Celery's publish retry) retries on a new connection: an
+    #: unreachable database and database errors. A coded refusal (a bad message, a tenant over
+    #: its queue cap, a bad idempotency key) is the publisher's mistake, raised at once as
+    #: itself: retried, it would fail the same way after the retry policy's sleeps, and reach
+    #: Celery's caller wrapped in kombu's OperationalError instead of its code. (kombu falls
+    #: back to every connection and channel error when a transport does not say.)
+    recoverable_connection_errors = (
+        *connection_errors,
+        *(e for e in channel_errors if e is not PgJobsError),
+    )
 
     def __init__(self, client: Any, **kwargs: Any) -> None:
         self.options = TransportOptions.parse(client.transport_options)

@@ -189,8 +189,10 @@ SELECT d.id, 'dead', 'dead'
 -- queue (%(queue)s, optionally %(reason)s). Attempts restart at 0; the claim number (the fence)
 -- is kept, so no holder of an earlier claim can settle the revived row. The row keeps its id
 -- unless a live row already has it (then it gets a fresh one from the job id sequence,
--- %(job_table)s). Locked rows (another requeue in flight) are skipped. NOTIFY wakes the
--- queue's idle consumers. Returns (old id, new id, queue).
+-- %(job_table)s). Locked rows (another requeue in flight) are skipped, and so are rows whose
+-- idempotency key a live message holds (they stay dead). The revived row gets its tenant and
+-- key back from its headers. NOTIFY wakes the queue's idle consumers. Returns (old id, new id,
+-- queue).
 WITH picked AS (
     SELECT d.*,
            CASE WHEN EXISTS (SELECT 1 FROM {schema}.pgjobs_job AS j WHERE j.id = d.id)
@@ -200,6 +202,18 @@ WITH picked AS (
      WHERE (%(ids)s::bigint[] IS NULL OR d.id = ANY(%(ids)s::bigint[]))
        AND (%(queue)s::text IS NULL OR d.queue = %(queue)s)
        AND (%(reason)s::text IS NULL OR d.reason = %(reason)s)
+       -- its idempotency key held by a live message: it stays dead (a second live message
+       -- with the key is what the key forbids). Read only from messages that have a key (a
+       -- message with a NUL escape cannot be read with ->>: see revived).
+       AND CASE WHEN strpos(d.message::text, '"x-pgjobs-idempotency-key"') = 0 THEN true
+                ELSE NOT EXISTS (
+                    SELECT 1 FROM {schema}.pgjobs_job AS k
+                     WHERE k.idempotency_key =
+                           d.message -> 'headers' ->> 'x-pgjobs-idempotency-key'
+                       AND coalesce(k.task, '') = coalesce(d.task, '')
+                       AND coalesce(k.tenant, '') =
+                           coalesce(d.message -> 'headers' ->> 'x-pgjobs-tenant', ''))
+           END
      ORDER BY d.id
      LIMIT %(limit)s
        FOR UPDATE SKIP LOCKED
@@ -208,13 +222,15 @@ WITH picked AS (
 ), revived AS (
     INSERT INTO {schema}.pgjobs_job
            (id, queue, state, priority, run_at, claim, attempts, max_attempts, task,
-            limits, limit_key, created_at, message)
+            limits, limit_key, created_at, message, tenant, idempotency_key)
     OVERRIDING SYSTEM VALUE
     SELECT new_id, queue, 'ready', priority, now(), claim, 0, max_attempts, task,
-           -- limits travel in the message's header (validated when it was first published)
+           -- limits, tenant and key travel in the message's headers (validated when it was
+           -- first published)
            (h.doc -> 'headers' -> 'x-pgjobs-limits')::jsonb,
            h.doc -> 'headers' -> 'x-pgjobs-limits' -> 'concurrency' -> 0 ->> 'key',
-           created_at, message
+           created_at, message, h.doc -> 'headers' ->> 'x-pgjobs-tenant',
+           h.doc -> 'headers' ->> 'x-pgjobs-idempotency-key'
       FROM picked
       -- Postgres cannot parse a json document holding \u0000 or a lone surrogate escape: such
       -- a message (a header with a NUL) is read with those escapes replaced by \ufffd. Only

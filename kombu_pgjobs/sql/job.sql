@@ -4,12 +4,12 @@
 -- insert trigger sends one NOTIFY for the queue.
 INSERT INTO {schema}.pgjobs_job
        (queue, priority, run_at, delayed, expires_at, max_attempts, task, limits, limit_key,
-        message)
+        message, tenant)
 SELECT %(queue)s, %(priority)s, coalesce(%(run_at)s, now()),
        coalesce(%(run_at)s > now(), false),
        now() + make_interval(secs => coalesce(%(ttl_ms)s, q.message_ttl_ms) / 1000.0),
        %(max_attempts)s, %(task)s, %(limits)s::jsonb,
-       %(limits)s::jsonb -> 'concurrency' -> 0 ->> 'key', %(message)s
+       %(limits)s::jsonb -> 'concurrency' -> 0 ->> 'key', %(message)s, %(tenant)s
   FROM (SELECT) AS one
   LEFT JOIN {schema}.pgjobs_queue AS q ON q.name = %(queue)s;
 
@@ -19,15 +19,16 @@ SELECT %(queue)s, %(priority)s, coalesce(%(run_at)s, now()),
 -- the order of the batch (ORDER BY the ordinality), so FIFO holds within a batch.
 INSERT INTO {schema}.pgjobs_job
        (queue, priority, run_at, delayed, expires_at, max_attempts, task, limits, limit_key,
-        message)
+        message, tenant)
 SELECT m.queue, m.priority, coalesce(m.run_at, now()), coalesce(m.run_at > now(), false),
        now() + make_interval(secs => coalesce(m.ttl_ms, q.message_ttl_ms) / 1000.0),
        m.max_attempts, m.task, m.limits::jsonb, m.limits::jsonb -> 'concurrency' -> 0 ->> 'key',
-       m.message
+       m.message, m.tenant
   FROM unnest(%(queue)b::text[], %(priority)s::smallint[], %(run_at)s::timestamptz[],
               %(ttl_ms)s::float8[], %(max_attempts)s::int[], %(task)b::text[],
-              %(limits)b::text[], %(message)b::text[]::json[]) WITH ORDINALITY
-       AS m(queue, priority, run_at, ttl_ms, max_attempts, task, limits, message, n)
+              %(limits)b::text[], %(message)b::text[]::json[], %(tenant)b::text[])
+       WITH ORDINALITY
+       AS m(queue, priority, run_at, ttl_ms, max_attempts, task, limits, message, tenant, n)
   LEFT JOIN {schema}.pgjobs_queue AS q ON q.name = m.queue
  ORDER BY m.n;
 
@@ -35,14 +36,26 @@ SELECT m.queue, m.priority, coalesce(m.run_at, now()), coalesce(m.run_at > now()
 -- Publish one message to every queue bound to a fanout exchange (one row per queue).
 INSERT INTO {schema}.pgjobs_job
        (queue, priority, run_at, delayed, expires_at, max_attempts, task, limits, limit_key,
-        message)
+        message, tenant)
 SELECT b.queue, %(priority)s, coalesce(%(run_at)s, now()),
        coalesce(%(run_at)s > now(), false),
        now() + make_interval(secs => coalesce(%(ttl_ms)s, q.message_ttl_ms) / 1000.0),
        %(max_attempts)s, %(task)s, %(limits)s::jsonb,
-       %(limits)s::jsonb -> 'concurrency' -> 0 ->> 'key', %(message)s
+       %(limits)s::jsonb -> 'concurrency' -> 0 ->> 'key', %(message)s, %(tenant)s
   FROM (SELECT DISTINCT queue FROM {schema}.pgjobs_binding WHERE exchange = %(exchange)s) AS b
   LEFT JOIN {schema}.pgjobs_queue AS q ON q.name = b.queue;
+
+-- name: job_insert_guarded :many
+-- Publish messages that carry an idempotency key or a tenant queue cap (one or a batch, one
+-- statement): see pgjobs_publish_guarded_v1 in 0007_idempotency_tenant_cap.sql. Returns
+-- (n, id, holder_id, holder_task_id) per keyed message; raises SQLSTATE PJ506 (nothing
+-- written) when a tenant's cap would be exceeded.
+SELECT g.n, g.id, g.holder_id, g.holder_task_id
+  FROM {schema}.pgjobs_publish_guarded_v1(
+           %(queue)b::text[], %(priority)s::smallint[], %(run_at)s::timestamptz[],
+           %(ttl_ms)s::float8[], %(max_attempts)s::int[], %(task)b::text[], %(limits)b::text[],
+           %(message)b::text[]::json[], %(tenant)b::text[], %(key)b::text[],
+           %(max_queued)s::int[], %(task_id)b::text[], %(channel)s, %(async)s) AS g;
 
 -- name: job_claim :many
 -- Settle buffered acks and claim up to %(n)s due messages, in one round trip. {limit} is %(n)s
