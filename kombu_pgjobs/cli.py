@@ -358,10 +358,11 @@ def cmd_dead_show(args: argparse.Namespace) -> dict[str, Any]:
 def cmd_dead_requeue(args: argparse.Namespace) -> dict[str, Any]:
     """Put dead letters back to ready (attempts reset, same id if free) and wake consumers."""
     if args.all == bool(args.ids):
-        raise ConfigurationError("give dead-letter ids, or --all --queue QUEUE (not both)")
+        raise ConfigurationError(
+            "give dead-letter ids, or --all with --queue QUEUE and/or --tenant T (not both)")
     with _admin(args) as admin:
         return admin.dead_requeue(args.ids or None, queue=args.queue, reason=args.reason,
-                                  limit=args.limit)
+                                  limit=args.limit, tenant=args.tenant)
 
 
 def _render_requeued(result: dict[str, Any]) -> str:
@@ -655,9 +656,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--body", action="store_true")
     p = _add(dsub, "requeue", cmd_dead_requeue, _render_requeued, common)
     p.add_argument("ids", nargs="*", metavar="ID")
-    p.add_argument("--all", action="store_true", help="every dead letter of --queue")
+    p.add_argument("--all", action="store_true",
+                   help="every dead letter of --queue and/or --tenant")
     p.add_argument("--queue")
     p.add_argument("--reason", help="with --all: only dead letters with this reason")
+    p.add_argument("--tenant", help="with --all: only dead letters of this tenant "
+                                    "(the x-pgjobs-tenant header)")
     _bulk_args(p)
     p = _add(dsub, "purge", cmd_dead_purge, _render_dead_purge, common)
     p.add_argument("ids", nargs="*", metavar="ID")

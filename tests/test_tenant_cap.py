@@ -151,3 +151,39 @@ def test_racing_publishers_at_the_edge_never_exceed_the_cap(db, schema, url) -> 
     assert sum(ok for ok, _ in results) == 9
     assert sum(refused for _, refused in results) == 31
     assert _live(db, schema) == {"edge": 10}
+
+
+def test_dead_requeue_by_tenant_replays_that_tenant_only(db, schema, url, capsys) -> None:
+    """`pgjobs dead requeue --all --tenant T`: tenant-scoped replay across queues, bounded."""
+    import json
+
+    from kombu_pgjobs.cli import main as cli
+
+    _a, work, _ = _app(schema, url, cap=100)
+    for org in ("t1", "t1", "t2"):
+        work.delay(0, org)
+    work.apply_async((0, "t1"), queue="other")
+    with kombu.Connection(url, transport_options={"schema": schema}) as conn:
+        for name in ("celery", "other"):
+            q = conn.SimpleQueue(name)
+            while True:
+                try:
+                    q.get(timeout=1).reject()
+                except q.Empty:
+                    break
+            q.close()
+    assert _live(db, schema) == {}
+
+    def run(*argv: str) -> tuple[int, Any]:
+        capsys.readouterr()
+        code = cli([*argv, "--dsn", url, "--schema", schema, "--json"])
+        return code, json.loads(capsys.readouterr().out)
+
+    code, out = run("dead", "requeue", "--all", "--tenant", "t1", "--limit", "2")
+    assert code == 0 and len(out["requeued"]) == 2 and out["remaining"] == 1
+    code, out = run("dead", "requeue", "--all", "--tenant", "t1")
+    assert code == 0 and len(out["requeued"]) == 1 and out["remaining"] == 0
+    assert _live(db, schema) == {"t1": 3}, "revived rows get their tenant column back"
+    assert db.execute(f'SELECT count(*) FROM "{schema}".pgjobs_dead_letter').fetchone() == (1,)
+    code, out = run("dead", "requeue", "--all")
+    assert code == 2 and out["error"]["code"] == "PGJ-404"

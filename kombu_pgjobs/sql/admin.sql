@@ -186,8 +186,9 @@ SELECT d.id, 'dead', 'dead'
 
 -- name: admin_dead_requeue :many
 -- Move dead letters back to ready, at most %(limit)s, oldest id first: by id (%(ids)s) or by
--- queue (%(queue)s, optionally %(reason)s). Attempts restart at 0; the claim number (the fence)
--- is kept, so no holder of an earlier claim can settle the revived row. The row keeps its id
+-- queue (%(queue)s) and/or tenant (%(tenant)s), optionally %(reason)s. Attempts restart at 0;
+-- the claim number (the fence) is kept, so no holder of an earlier claim can settle the
+-- revived row. The row keeps its id
 -- unless a live row already has it (then it gets a fresh one from the job id sequence,
 -- %(job_table)s). Locked rows (another requeue in flight) are skipped, and so are rows whose
 -- idempotency key a live message holds (they stay dead). The revived row gets its tenant and
@@ -202,6 +203,12 @@ WITH picked AS (
      WHERE (%(ids)s::bigint[] IS NULL OR d.id = ANY(%(ids)s::bigint[]))
        AND (%(queue)s::text IS NULL OR d.queue = %(queue)s)
        AND (%(reason)s::text IS NULL OR d.reason = %(reason)s)
+       -- %(tenant)s: tenant-scoped replay. A message Postgres cannot parse (a \u0000 or lone
+       -- surrogate escape: see admin_ls) is never matched by it: requeue that one by id.
+       AND CASE WHEN %(tenant)s::text IS NULL THEN true
+                WHEN strpos(d.message::text, '\u0000') + strpos(d.message::text, '\ud')
+                     + strpos(d.message::text, '\uD') > 0 THEN false
+                ELSE d.message -> 'headers' ->> 'x-pgjobs-tenant' = %(tenant)s END
        -- its idempotency key held by a live message: it stays dead (a second live message
        -- with the key is what the key forbids). Read only from messages that have a key (a
        -- message with a NUL escape cannot be read with ->>: see revived).
@@ -250,13 +257,18 @@ SELECT p.id, p.new_id, p.queue, pg_notify(%(channel)s, p.queue) IS NULL AS notif
   FROM picked AS p;
 
 -- name: admin_dead_count :one
--- Dead letters matching a selection (what a bounded bulk command leaves for the next call).
+-- Dead letters matching a selection (what a bounded bulk command leaves for the next call);
+-- %(tenant)s as in admin_dead_requeue.
 SELECT count(*)
   FROM {schema}.pgjobs_dead_letter AS d
  WHERE (%(ids)s::bigint[] IS NULL OR d.id = ANY(%(ids)s::bigint[]))
    AND (%(queue)s::text IS NULL OR d.queue = %(queue)s)
    AND (%(reason)s::text IS NULL OR d.reason = %(reason)s)
-   AND (%(cutoff)s::timestamptz IS NULL OR d.died_at < %(cutoff)s);
+   AND (%(cutoff)s::timestamptz IS NULL OR d.died_at < %(cutoff)s)
+   AND CASE WHEN %(tenant)s::text IS NULL THEN true
+            WHEN strpos(d.message::text, '\u0000') + strpos(d.message::text, '\ud')
+                 + strpos(d.message::text, '\uD') > 0 THEN false
+            ELSE d.message -> 'headers' ->> 'x-pgjobs-tenant' = %(tenant)s END;
 
 -- name: admin_dead_purge :one
 -- Delete one bounded batch of dead letters (by id, queue, reason and/or died before %(cutoff)s),
