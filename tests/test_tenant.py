@@ -101,7 +101,13 @@ def _jobs(db: psycopg.Connection[Any], schema: str) -> list[tuple[str, str | Non
 
 # ---------------------------------------------------------------- declaration (no database)
 
-def test_required_tenant_is_refused_at_the_decorator() -> None:
+def test_required_tenant_is_refused_at_the_decorator(monkeypatch: pytest.MonkeyPatch) -> None:
+    from celery import _state
+
+    # Only Celery's own tasks: shared tasks that other test modules' apps declared (without
+    # tenant=) would be offered to this app at finalize, and rightly refused.
+    monkeypatch.setattr(_state, "_on_app_finalizers", {
+        f for f in _state._on_app_finalizers if f.__module__ == "celery.app.builtins"})
     app = Celery("required")
     celery_ext.install(app)
     app.conf.pgjobs_tenant_required = True
