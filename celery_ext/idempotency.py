@@ -39,10 +39,11 @@ from contextlib import contextmanager
 from typing import Any
 
 from kombu_pgjobs.core import IDEMPOTENCY_HEADER, MAX_QUEUED_HEADER
-from kombu_pgjobs.errors import InvalidIdempotencyKey, InvalidLimitKey
+from kombu_pgjobs.errors import InvalidIdempotencyKey
 from kombu_pgjobs.limits import check_cap, check_key
 
 from .limits import TENANT_HEADER
+from .state import UNSET, declared_option
 
 __all__ = [
     "check_idempotency_option",
@@ -68,12 +69,8 @@ def retrying() -> Iterator[None]:
 def check_idempotency_option(cls: type) -> None:
     """Refuse an ``idempotency_key=`` that is not callable when the task class is made
     (``PGJ-505``): a fixed key would make every message of the task a duplicate of the first."""
-    if "idempotency_key" not in cls.__dict__:
-        return
-    value = cls.__dict__["idempotency_key"]
-    if isinstance(value, staticmethod):
-        value = value.__func__
-    if value is None or (callable(value) and not isinstance(value, str)):
+    value = declared_option(cls, "idempotency_key")
+    if value is UNSET or value is None or (callable(value) and not isinstance(value, str)):
         return
     name = getattr(cls, "name", None) or cls.__name__
     raise InvalidIdempotencyKey(
@@ -104,10 +101,8 @@ def _key(task: Any, args: Any, kwargs: Any, given: Any,
                 raise InvalidIdempotencyKey(
                     f"idempotency_key function of task {task.name} failed on the task's "
                     f"arguments: {type(exc).__name__}: {exc}") from exc
-    try:
-        return check_key(given, f"idempotency key of task {task.name}")
-    except InvalidLimitKey as exc:
-        raise InvalidIdempotencyKey(str(exc)) from None
+    return check_key(given, f"idempotency key of task {task.name}",
+                     error=InvalidIdempotencyKey)
 
 
 def with_guards(task: Any, args: Any, kwargs: Any, options: dict[str, Any],

@@ -6,7 +6,10 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
-__all__ = ["add_app", "installed"]
+__all__ = ["UNSET", "add_app", "declared_option", "installed"]
+
+#: what declared_option returns for an option the class itself does not set
+UNSET = object()
 
 _APPS: weakref.WeakSet[Any] = weakref.WeakSet()
 
@@ -17,3 +20,10 @@ def add_app(app: Any) -> None:
 
 def installed(app: Any) -> bool:
     return app in _APPS
+
+
+def declared_option(cls: type, option: str) -> Any:
+    """The value a task class itself gives ``option`` (a function given as a task option is
+    kept as a staticmethod: unwrapped here), or :data:`UNSET`."""
+    value = cls.__dict__.get(option, UNSET)
+    return value.__func__ if isinstance(value, staticmethod) else value

@@ -33,7 +33,6 @@ from contextlib import contextmanager
 from typing import Any
 
 from kombu_pgjobs.errors import (
-    InvalidLimitKey,
     InvalidTenant,
     InvalidTenantOption,
     TenantMismatch,
@@ -42,6 +41,7 @@ from kombu_pgjobs.errors import (
 from kombu_pgjobs.limits import check_key
 
 from .limits import TENANT_HEADER
+from .state import UNSET, declared_option
 
 __all__ = [
     "NO_TENANT",
@@ -83,12 +83,8 @@ def check_tenant_option(cls: type) -> None:
     """Refuse a ``tenant=`` that is neither callable nor ``"none"`` when the task class is made
     (``PGJ-502``). An explicit ``tenant=None`` is refused too: "no tenant" is said with
     ``"none"``, so a forgotten value cannot pass for a deliberate one."""
-    if "tenant" not in cls.__dict__:
-        return
-    value = cls.__dict__["tenant"]
-    if isinstance(value, staticmethod):
-        value = value.__func__
-    if value == NO_TENANT or (callable(value) and not isinstance(value, str)):
+    value = declared_option(cls, "tenant")
+    if value is UNSET or value == NO_TENANT or (callable(value) and not isinstance(value, str)):
         return
     name = getattr(cls, "name", None) or cls.__name__
     raise InvalidTenantOption(
@@ -134,10 +130,7 @@ def declared_tenant(task: Any, args: Any, kwargs: Any) -> str | None:
         raise InvalidTenant(
             f"tenant function of task {task.name} failed on the task's arguments: "
             f"{type(exc).__name__}: {exc}") from exc
-    try:
-        return check_key(value, f"tenant of task {task.name}")
-    except InvalidLimitKey as exc:
-        raise InvalidTenant(str(exc)) from None
+    return check_key(value, f"tenant of task {task.name}", error=InvalidTenant)
 
 
 def with_tenant(task: Any, args: Any, kwargs: Any,

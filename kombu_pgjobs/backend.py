@@ -36,7 +36,7 @@ from .errors import (
     PgJobsError,
     PublishFailed,
 )
-from .events import log_event
+from .events import log_event, one_line
 from .options import TransportOptions
 from .schema import current_version as schema_version
 from .schema import latest_version, migrate
@@ -180,17 +180,24 @@ class Backend:
         database cannot be reached even on a new connection, the failure is logged, never
         raised at Celery, and these leases are no longer renewed: they lapse and the rows come
         back (an attempt counted) — never stranded behind a lease this process renews."""
+        if requeue:
+            self._settle(pairs, "requeue",
+                         lambda c: self.core.requeue(c, pairs, uncount=uncount))
+        else:
+            self._settle(pairs, "reject", lambda c: self.core.bury(c, pairs, reason="rejected"))
+
+    def _settle(self, pairs: list[Pair], action: str,
+                statement: Callable[[psycopg.Connection[Any]], set[int]]) -> None:
+        """Run a fenced settle on the publish connection (once more on a new one if it
+        died); if it fails for good, stop renewing its leases so they lapse (PGJ-212)."""
         try:
-            if requeue:
-                hit = self.publishing(lambda c: self.core.requeue(c, pairs, uncount=uncount))
-            else:
-                hit = self.publishing(lambda c: self.core.bury(c, pairs, reason="rejected"))
+            hit = self.publishing(statement)
         except (psycopg.Error, PgJobsError) as exc:
             self.forget(pairs)
-            log_event("pgjobs.settle.failed", settle="requeue" if requeue else "reject",
-                      count=len(pairs), error=str(exc).strip().replace("\n", " ")[:300])
+            log_event("pgjobs.settle.failed", settle=action, count=len(pairs),
+                      error=one_line(exc))
             return
-        self.settled(pairs, hit, "requeue" if requeue else "reject")
+        self.settled(pairs, hit, action)
 
     def bury_malformed(self, rows: list[tuple[Any, str]]) -> None:
         """Dead-letter claimed rows whose message is not a kombu message (reason
@@ -199,15 +206,9 @@ class Backend:
             pair = [(row.id, row.claim)]
             log_event("pgjobs.claim.malformed", job_id=row.id, queue=row.queue,
                       error=error[:300])
-            try:
-                hit = self.publishing(lambda c, p=pair, e=error: self.core.bury(
-                    c, p, reason="malformed", error={"code": "PGJ-211", "message": e}))
-            except (psycopg.Error, PgJobsError) as exc:
-                self.forget(pair)  # its lease lapses; it comes back and is buried then
-                log_event("pgjobs.settle.failed", settle="bury", count=1,
-                          error=str(exc).strip().replace("\n", " ")[:300])
-                continue
-            self.settled(pair, hit, "bury")
+            # if it fails, its lease lapses: it comes back and is buried then
+            self._settle(pair, "bury", lambda c, p=pair, e=error: self.core.bury(
+                c, p, reason="malformed", error={"code": "PGJ-211", "message": e}))
 
     def publish(self, job: NewJob) -> None:
         """Publish one message: held for the batch inside ``kombu_pgjobs.batch()``, sent

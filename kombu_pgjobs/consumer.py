@@ -52,9 +52,8 @@ import psycopg
 from psycopg import sql
 
 from .core import Claimed, ClaimResult, Pair
-from .database import timeout_error
 from .errors import DatabaseTimeout, DatabaseUnavailable, PgJobsError
-from .events import log_event
+from .events import log_event, one_line
 from .inflight import SUPPORTED, InFlight
 
 if TYPE_CHECKING:
@@ -216,7 +215,7 @@ class ConsumerLoop:
                 self._logged_at = now
                 log_event("pgjobs.consumer.broken", action=action,
                           since=f"{now - (self._failing or now):.0f}s",
-                          error=str(exc).strip().replace("\n", " ")[:300])
+                          error=one_line(exc))
             self._failing = self._failing or now
 
     def _recovered(self) -> None:
@@ -290,18 +289,15 @@ class ConsumerLoop:
                 try:
                     result = backend.core.claim(conn, queues, n, acks)
                 except BaseException as exc:
+                    # (a lock or statement timeout arrives as DatabaseTimeout, a channel
+                    # error: the connection's cursor translates it)
                     backend.restore_acks(acks)
                     self.dirty.update(queues)
-                    if attempt == 1 and is_connection_failure(exc, conn):
-                        self._drop_conn()
-                        self.state = State.DISCONNECTED
-                        continue
                     if not isinstance(exc, Exception) or is_connection_failure(exc, conn):
-                        self._drop_conn()
+                        self._drop_conn()  # gone, or left in the middle of the statement
                         self.state = State.DISCONNECTED
-                    elif isinstance(exc, psycopg.errors.LockNotAvailable |
-                                    psycopg.errors.QueryCanceled):
-                        raise timeout_error(exc) from exc  # a channel error, coded
+                        if attempt == 1 and isinstance(exc, Exception):
+                            continue
                     raise
                 return self._claimed(channel, queues, acks, result, no_ack=no_ack)
         raise AssertionError("unreachable")  # pragma: no cover

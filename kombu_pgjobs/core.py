@@ -28,7 +28,6 @@ from psycopg.types.json import Jsonb
 
 from .errors import (
     InvalidIdempotencyKey,
-    InvalidLimitKey,
     InvalidTenant,
     MessageError,
     TenantQueueFull,
@@ -256,16 +255,10 @@ def job_from_message(queue: str, message: Mapping[str, Any]) -> NewJob:
     limits = normalise_limits(headers.get(LIMITS_HEADER))
     tenant = headers.get(TENANT_HEADER)
     if tenant is not None:
-        try:
-            tenant = check_key(tenant, f"{TENANT_HEADER} header")
-        except InvalidLimitKey as exc:
-            raise InvalidTenant(str(exc)) from None
+        tenant = check_key(tenant, f"{TENANT_HEADER} header", error=InvalidTenant)
     key = headers.get(IDEMPOTENCY_HEADER)
     if key is not None:
-        try:
-            key = check_key(key, f"{IDEMPOTENCY_HEADER} header")
-        except InvalidLimitKey as exc:
-            raise InvalidIdempotencyKey(str(exc)) from None
+        key = check_key(key, f"{IDEMPOTENCY_HEADER} header", error=InvalidIdempotencyKey)
     raw_cap = headers.get(MAX_QUEUED_HEADER)
     max_queued = None if raw_cap is None else check_cap(raw_cap, f"{MAX_QUEUED_HEADER} header")
     if tenant is None:

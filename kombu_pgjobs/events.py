@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-__all__ = ["EVENTS", "log_event"]
+__all__ = ["EVENTS", "log_event", "one_line"]
 
 log = logging.getLogger("kombu_pgjobs")
 
@@ -56,6 +56,11 @@ EVENTS: dict[str, tuple[str, str]] = {
         "PGJ-305", "a message parked on a concurrency key with no running holder was woken "
         "by the keeper's safety net"),
 }
+
+
+def one_line(exc: BaseException, limit: int = 300) -> str:
+    """An error as a log field: one line (psycopg's messages span several), bounded."""
+    return str(exc).strip().replace("\n", " ")[:limit]
 
 
 def log_event(name: str, level: int = logging.WARNING, **fields: Any) -> None:

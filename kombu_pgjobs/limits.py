@@ -24,7 +24,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from .errors import InvalidLimit, InvalidLimitKey
+from .errors import InvalidLimit, InvalidLimitKey, PgJobsError
 
 __all__ = [
     "LIMITS_HEADER",
@@ -64,17 +64,20 @@ def check_cap(value: Any, what: str) -> int:
 
 
 def check_key(value: Any, what: str = "concurrency key", *,
-              maximum: int = MAX_KEY_LENGTH) -> str:
-    """A non-empty string of at most ``maximum`` characters, no control characters."""
+              maximum: int = MAX_KEY_LENGTH,
+              error: type[PgJobsError] = InvalidLimitKey) -> str:
+    """A non-empty string of at most ``maximum`` characters, no control characters; else
+    ``error`` (the same rule serves concurrency keys, tenants and idempotency keys, each
+    refused with its own code)."""
     if not isinstance(value, str):
-        raise InvalidLimitKey(f"{what} must be a string, got {type(value).__name__} {value!r}")
+        raise error(f"{what} must be a string, got {type(value).__name__} {value!r}")
     if not value:
-        raise InvalidLimitKey(f"{what} is empty")
+        raise error(f"{what} is empty")
     if len(value) > maximum:
-        raise InvalidLimitKey(
+        raise error(
             f"{what} is {len(value)} characters long (at most {maximum}): {value[:40]!r}...")
     if any(ord(c) < 32 for c in value):
-        raise InvalidLimitKey(f"{what} has control characters: {value!r}")
+        raise error(f"{what} has control characters: {value!r}")
     return value
 
 
