@@ -433,6 +433,13 @@ class Admin:
     def counter_totals(self) -> list[dict[str, Any]]:
         return self._dicts("admin_counter_totals", {})
 
+    def tenant_stats(self, top: int) -> list[dict[str, Any]]:
+        """The ``top`` tenants with the most live messages, by state; each row also says how
+        many tenants have live messages (``tenants``)."""
+        if not 1 <= int(top) <= MAX_PAGE:
+            raise InvalidArgument(f"--tenants must be between 0 and {MAX_PAGE}, got {top}")
+        return self._dicts("admin_tenant_stats", {"top": int(top)})
+
     # -- changing -----------------------------------------------------------------------
     def dead_requeue(self, ids: Sequence[Any] | None = None, *, queue: str | None = None,
                      reason: str | None = None, limit: int | None = None,

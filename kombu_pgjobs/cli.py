@@ -512,7 +512,7 @@ def cmd_metrics(args: argparse.Namespace) -> Any:
 
     if args.serve is None:
         with _admin(args) as admin:
-            metrics = collect(admin)
+            metrics = collect(admin, tenants=args.tenants)
         if args.json:
             return {"metrics": [{"name": m.name, "type": m.kind, "help": m.help,
                                  "samples": [{"labels": lb, "value": v} for lb, v in m.samples]}
@@ -520,7 +520,7 @@ def cmd_metrics(args: argparse.Namespace) -> Any:
         return render(metrics)
     if not 0 <= args.serve <= 65535:
         raise InvalidArgument(f"--serve port {args.serve} is out of range 0-65535")
-    source = MetricsSource(_dsn(args), args.schema)
+    source = MetricsSource(_dsn(args), args.schema, tenants=args.tenants)
     source.metrics()  # fail now, with the error's code, rather than on the first scrape
     try:
         server = make_server(source.text, args.serve, args.bind)
@@ -694,6 +694,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--serve", type=int, metavar="PORT",
                    help="serve /metrics over HTTP on this port (0: any free port)")
     p.add_argument("--bind", default="127.0.0.1", help="address to serve on (127.0.0.1)")
+    p.add_argument("--tenants", type=int, default=10, metavar="N",
+                   help="per-tenant samples for the N tenants with the most live messages "
+                        "(default 10; 0: none)")
 
     p = _add(sub, "prune", cmd_prune, _render_prune, common)
     p.add_argument("--older-than", required=True, metavar="DURATION",

@@ -43,8 +43,13 @@ class Metric:
         self.samples.append((labels, value))
 
 
-def collect(admin: Admin) -> list[Metric]:
-    """Read every metric in a few statements (no row locks)."""
+#: tenants given their own samples by default (the ones with the most live messages)
+DEFAULT_TENANTS = 10
+
+
+def collect(admin: Admin, *, tenants: int = DEFAULT_TENANTS) -> list[Metric]:
+    """Read every metric in a few statements (no row locks). ``tenants``: how many tenants
+    (those with the most live messages) get ``pgjobs_tenant_messages`` samples; 0: none."""
     started = time.monotonic()
     messages = Metric("pgjobs_messages", "gauge",
                       "Messages in the job table by queue and state: ready (due now), delayed "
@@ -79,11 +84,27 @@ def collect(admin: Admin) -> list[Metric]:
             gone += int(w["running"])
     consumers.add(alive)
     orphaned.add(gone)
+    per_tenant = _tenant_metrics(admin, tenants) if tenants else []
     up = Metric("pgjobs_up", "gauge", "1 when the exporter could read the pgjobs schema.")
     up.add(1)
     took = Metric("pgjobs_scrape_duration_seconds", "gauge", "Seconds this scrape took.")
     took.add(round(time.monotonic() - started, 6))
-    return [up, messages, oldest, dead, paused, settled, consumers, orphaned, took]
+    return [up, messages, oldest, dead, paused, settled, consumers, orphaned, *per_tenant, took]
+
+
+def _tenant_metrics(admin: Admin, top: int) -> list[Metric]:
+    """Live messages of the ``top`` busiest tenants, and the number of tenants: bounded label
+    values, whatever the number of tenants."""
+    messages = Metric("pgjobs_tenant_messages", "gauge",
+                      f"Live messages of the {top} tenants with the most, by state (ready, "
+                      "delayed, running, waiting).")
+    count = Metric("pgjobs_tenants", "gauge", "Tenants with live messages.")
+    rows = admin.tenant_stats(top)
+    for row in rows:
+        for state in ("ready", "delayed", "running", "waiting"):
+            messages.add(row[state], tenant=row["tenant"], state=state)
+    count.add(rows[0]["tenants"] if rows else 0)
+    return [messages, count]
 
 
 def _escape(value: str) -> str:
@@ -121,9 +142,10 @@ class MetricsSource:
     """One connection, reopened after a failure; a failed scrape reports ``pgjobs_up 0``
     rather than an HTTP error, so "exporter up, database down" is its own alert."""
 
-    def __init__(self, conninfo: str, schema: str) -> None:
+    def __init__(self, conninfo: str, schema: str, *, tenants: int = DEFAULT_TENANTS) -> None:
         self.conninfo = conninfo
         self.schema = schema
+        self.tenants = tenants
         self._conn: psycopg.Connection[Any] | None = None
         self._lock = threading.Lock()
 
@@ -132,7 +154,7 @@ class MetricsSource:
             if self._conn is None or self._conn.closed:
                 self._conn = connect(self.conninfo, prepare=False)
                 Admin(self._conn, self.schema).check_schema()
-            return collect(Admin(self._conn, self.schema))
+            return collect(Admin(self._conn, self.schema), tenants=self.tenants)
 
     def text(self) -> str:
         try:

@@ -430,6 +430,26 @@ def test_configuration_errors_and_database_errors(capsys, dsn, url, monkeypatch)
     assert cli(["show"]) == 2, "usage errors exit 2 too"
 
 
+def test_metrics_per_tenant_are_bounded_to_the_busiest(core, db, run):
+    for tenant, n in (("acme", 3), ("globex", 2), ("initech", 1)):
+        for _ in range(n):
+            publish(core, db, "alpha", tenant=tenant)
+    publish(core, db, "alpha")  # no tenant: not counted
+    claim(core, db, "alpha")  # the oldest: one of acme's
+    code, text = run("metrics", "--tenants", "2", json_out=False)
+    assert code == 0, text
+    values = _metrics(text)
+    assert values['pgjobs_tenant_messages{tenant="acme",state="running"}'] == 1
+    assert values['pgjobs_tenant_messages{tenant="acme",state="ready"}'] == 2
+    assert values['pgjobs_tenant_messages{tenant="globex",state="ready"}'] == 2
+    assert not any("initech" in name for name in values), "only the 2 busiest get samples"
+    assert values["pgjobs_tenants"] == 3
+    code, text = run("metrics", "--tenants", "0", json_out=False)
+    assert code == 0 and "pgjobs_tenant" not in text
+    code, out = run("metrics", "--tenants", "-1")
+    assert code == 2 and out["error"]["code"] == "PGJ-405"
+
+
 def test_console_script_and_metrics_server(core, db, schema, url):
     publish(core, db, "alpha")
     env = {**os.environ, "PGJOBS_DSN": url, "PGJOBS_SCHEMA": schema}

@@ -256,7 +256,7 @@ TENANTS = [f"org-{n}" for n in range(10)]
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("pool,concurrency", [("prefork", 2), ("threads", 4)])
+@pytest.mark.parametrize("pool,concurrency", [("prefork", 2), ("threads", 4), ("gevent", 20)])
 def test_a_thousand_bodies_see_their_own_tenant(db, tenant_table, url, start_worker,
                                                 pool, concurrency) -> None:
     schema = tenant_table

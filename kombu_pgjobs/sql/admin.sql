@@ -64,11 +64,12 @@ SELECT n.name AS queue,
 -- either (NUL cannot be text; a lone surrogate is invalid), which made one such message break
 -- every listing. Such a row returns its text as raw_message instead (NULL for every other
 -- row, so nothing more is sent) and Admin reads its headers in Python. The guard costs about
--- what the parse does, so it runs for the rows of the page only, except under %(tenant)s,
--- which reads every row it scans: there %(careful)s is false first (folded away by the
--- planner: the filter costs what it always did), and only if that statement fails on such a
--- message does Admin run it again with %(careful)s true, where such rows pass the SQL filter
--- and Admin applies the filter to them.
+-- what the parse does, so it runs for the rows of the page only. %(tenant)s reads the live
+-- rows' tenant column (pgjobs_job_tenant_id_idx: one range scan from the cursor) but the dead
+-- letters' headers, for every row it scans: there %(careful)s is false first (folded away by
+-- the planner), and only if that statement fails on such a message does Admin run it again
+-- with %(careful)s true, where such rows pass the SQL filter and Admin applies the filter to
+-- them.
 (SELECT j.id, j.queue,
         CASE WHEN j.state IN ('running', 'waiting') THEN j.state
              WHEN j.run_at > now() THEN 'delayed'
@@ -77,7 +78,7 @@ SELECT n.name AS queue,
         j.worker, j.lease_expires_at, j.cancelled_at,
         NULL::text AS reason, NULL::timestamptz AS died_at,
         CASE WHEN jg.plain THEN j.message -> 'headers' ->> 'id' END AS task_id,
-        CASE WHEN jg.plain THEN j.message -> 'headers' ->> 'x-pgjobs-tenant' END AS tenant,
+        j.tenant,
         j.waiting_on,
         CASE WHEN NOT jg.plain THEN j.message::text END AS raw_message
    FROM {schema}.pgjobs_job AS j
@@ -86,10 +87,7 @@ SELECT n.name AS queue,
   WHERE j.id > %(after)s
     AND (%(queue)s::text IS NULL OR j.queue = %(queue)s)
     AND (%(task)s::text IS NULL OR j.task = %(task)s)
-    AND (%(tenant)s::text IS NULL
-         OR CASE WHEN %(careful)s::bool AND NOT jg.plain
-                 THEN true
-                 ELSE j.message -> 'headers' ->> 'x-pgjobs-tenant' = %(tenant)s END)
+    AND (%(tenant)s::text IS NULL OR j.tenant = %(tenant)s)
     AND (%(created_after)s::timestamptz IS NULL OR j.created_at >= %(created_after)s)
     AND (%(created_before)s::timestamptz IS NULL OR j.created_at < %(created_before)s)
     AND CASE WHEN j.state IN ('running', 'waiting') THEN j.state
@@ -401,6 +399,27 @@ SELECT queue, outcome, sum(n)::bigint AS n
   FROM {schema}.pgjobs_counter
  GROUP BY queue, outcome
  ORDER BY queue, outcome;
+
+-- name: admin_tenant_stats :many
+-- The %(top)s tenants with the most live messages, by state (ready, delayed, running, waiting),
+-- and how many tenants have live messages at all (the same on every row). Read from the
+-- tenant index's rows only (messages without a tenant are not read); bounded output, so a
+-- metric labelled by tenant cannot grow with the number of tenants.
+WITH per AS (
+    SELECT tenant,
+           count(*) FILTER (WHERE state = 'ready' AND run_at <= now()) AS ready,
+           count(*) FILTER (WHERE state = 'ready' AND run_at > now()) AS delayed,
+           count(*) FILTER (WHERE state = 'running') AS running,
+           count(*) FILTER (WHERE state = 'waiting') AS waiting,
+           count(*) AS live
+      FROM {schema}.pgjobs_job
+     WHERE tenant IS NOT NULL
+     GROUP BY tenant
+)
+SELECT tenant, ready, delayed, running, waiting, live, count(*) OVER () AS tenants
+  FROM per
+ ORDER BY live DESC, tenant
+ LIMIT %(top)s;
 
 -- name: admin_cutoff :one
 -- now() minus %(seconds)s, on the database's clock (one clock for every age comparison).
