@@ -370,7 +370,8 @@ class Admin:
             self.require_queue(queue)
         cursor = 0 if after in (None, "") else _ids([after])[0]
         rows = self._listing("admin_ls", {
-            "states": wanted, "queue": queue, "task": task, "tenant": tenant,
+            "states": wanted, "every_live": set(LIVE_STATES) <= set(wanted),
+            "queue": queue, "task": task, "tenant": tenant,
             "created_after": self.time_arg(created_after),
             "created_before": self.time_arg(created_before),
             "after": cursor, "limit": int(limit) + 1})
