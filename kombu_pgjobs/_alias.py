@@ -9,7 +9,10 @@ registers it directly as well.
 
 from __future__ import annotations
 
+import re
 import sys
+from typing import Any
+from urllib.parse import unquote
 
 ALIAS = "pgjobs"
 TARGET = "kombu_pgjobs.transport:Transport"
@@ -19,6 +22,35 @@ def register(module: object = None) -> None:
     aliases = getattr(module or sys.modules.get("kombu.transport"), "TRANSPORT_ALIASES", None)
     if isinstance(aliases, dict):
         aliases.setdefault(ALIAS, TARGET)
+    _teach_host_lists()
+
+
+def _teach_host_lists() -> None:
+    """Let kombu's URL parser read libpq's multi-host URLs for pgjobs.
+
+    ``pgjobs://app@db1:5432,db2:5432/app`` lists a port per host, which kombu's parser (one
+    port per URL) refuses with ValueError before any transport runs. For a pgjobs URL whose host
+    part lists hosts, the host list goes through whole as the hostname (ports included) with no
+    port; the transport splits it (``kombu_pgjobs.url.host_list``). Every other URL, and every
+    other scheme, is parsed by kombu exactly as before."""
+    import kombu.utils.url as kombu_url  # kombu.transport is loaded: cheap
+
+    original = kombu_url._parse_url
+    if getattr(original, "pgjobs_hosts", False):
+        return
+
+    def parse(url: str) -> Any:
+        scheme, sep, rest = url.partition("://")
+        if scheme == ALIAS and sep:
+            netloc = re.split(r"[/?#]", rest, maxsplit=1)[0]
+            userinfo, at, hosts = netloc.rpartition("@")
+            if "," in hosts:
+                parts = original(f"{scheme}://{userinfo}{at}localhost{rest[len(netloc):]}")
+                return parts._replace(hostname=unquote(hosts), port=None)
+        return original(url)
+
+    parse.pgjobs_hosts = True  # type: ignore[attr-defined]
+    kombu_url._parse_url = parse
 
 
 class _RegisteringLoader:

@@ -26,7 +26,7 @@ import logging
 import ssl as ssl_module
 from collections.abc import Iterable, Mapping
 from typing import Any
-from urllib.parse import parse_qsl, unquote, urlsplit
+from urllib.parse import parse_qsl
 
 import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
@@ -40,6 +40,7 @@ from .errors import (
     InvalidURL,
 )
 from .options import TransportOptions
+from .url import parse as parse_url
 
 __all__ = [
     "DEFAULT_EMBEDDED_DB",
@@ -194,10 +195,15 @@ def _timeouts(options: TransportOptions, extra: dict[str, Any]) -> None:
                                                else [])])
 
 
-def conninfo_from_parts(*, host: str | None, port: int | None, user: str | None,
+def conninfo_from_parts(*, host: str | None, port: int | str | None, user: str | None,
                         password: str | None, dbname: str | None,
                         options: TransportOptions, ssl: Any = None) -> str:
     """Build a libpq conninfo; with no host, start or reuse the embedded server.
+
+    ``host`` may list several hosts (``db1,db2``) and ``port`` one port per host (``5432,5433``)
+    or one for all: libpq tries them in order and, unless ``connect_options`` names another
+    ``target_session_attrs``, takes the first that accepts writes (``read-write``), so a
+    reconnect after a failover finds the promoted standby.
 
     ``ssl`` is kombu's ``Connection.ssl`` (see :func:`ssl_parameters`). ``connect_options``
     may give ``user``, ``password`` or ``dbname`` when the URL leaves them out (a password
@@ -206,8 +212,9 @@ def conninfo_from_parts(*, host: str | None, port: int | None, user: str | None,
     dbname = (dbname or "").removeprefix("/") or None  # kombu gives "/" for no path
     if dbname is not None and "/" in dbname:
         raise InvalidURL(f"database name {dbname!r} is invalid: use pgjobs://host/dbname")
-    if port is not None and not 0 < int(port) < 65536:
-        raise InvalidURL(f"port {port!r} is out of range 1-65535")
+    for one in str(port).split(",") if port is not None else ():
+        if not one.strip().isdigit() or not 0 < int(one) < 65536:
+            raise InvalidURL(f"port {one!r} is out of range 1-65535")
     extra: dict[str, Any] = dict(options.connect_options or {})
     for key in _HOST_KEYS:
         if key in extra:
@@ -242,6 +249,8 @@ def conninfo_from_parts(*, host: str | None, port: int | None, user: str | None,
             raise EmbeddedServerError(f"embedded PostgreSQL failed to start: {exc}") from exc
         return make_conninfo(base, application_name=options.application_name,
                              connect_timeout=max(1, int(options.connect_timeout)), **extra)
+    if "," in host:
+        extra.setdefault("target_session_attrs", "read-write")
     return make_conninfo(
         host=host, port=port or 5432, user=given["user"], password=given["password"],
         dbname=given["dbname"] or given["user"] or "postgres",
@@ -249,22 +258,20 @@ def conninfo_from_parts(*, host: str | None, port: int | None, user: str | None,
         connect_timeout=max(1, int(options.connect_timeout)), **extra)
 
 
-def conninfo_from_url(url: str, options: TransportOptions) -> str:
-    """Parse ``pgjobs://user:pass@host:port/db`` (also postgresql://) for the CLI and tools."""
-    try:
-        parts = urlsplit(url)
-        port = parts.port
-    except ValueError as exc:
-        raise InvalidURL(f"broker URL is malformed ({exc}): use "
-                         "pgjobs://user:password@host:port/database") from None
-    if parts.scheme not in ("pgjobs", "postgres", "postgresql"):
-        raise InvalidURL(f"URL scheme {parts.scheme!r} is not pgjobs:// or postgresql://")
+def conninfo_from_url(url: str, options: TransportOptions, *, user: str | None = None,
+                      password: str | None = None, ssl: Any = None) -> str:
+    """Parse ``pgjobs://user:pass@host:port/db`` (also postgresql://; several hosts:
+    ``db1:5432,db2:5432``) into a conninfo. ``user``/``password``/``ssl`` are used where the
+    URL gives none (kombu's ``Connection(userid=..., ssl=...)``)."""
+    parts = parse_url(url)
+    query_ssl = _query_ssl(parts.query)
+    if query_ssl is not None and ssl:
+        raise InvalidSSL("TLS is given twice, in the URL query and in ssl= (broker_use_ssl): "
+                         "give it once")
     return conninfo_from_parts(
-        host=unquote(parts.hostname or "") or None, port=port,
-        user=unquote(parts.username or "") or None,
-        password=unquote(parts.password or "") or None,
-        dbname=unquote(parts.path.lstrip("/")) or None, options=options,
-        ssl=_query_ssl(parts.query))
+        host=parts.host, port=parts.port, user=parts.user or user,
+        password=parts.password or password, dbname=parts.dbname, options=options,
+        ssl=query_ssl if query_ssl is not None else ssl)
 
 
 def _query_ssl(query: str) -> Any:

@@ -61,6 +61,7 @@ from .options import (
     validate_queue_name,
     validate_routing_key,
 )
+from .url import host_list
 
 __all__ = ["Channel", "QoS", "Transport", "parse_tag"]
 
@@ -341,9 +342,15 @@ class Transport(virtual.Transport):
     @cached_property
     def backend(self) -> Backend:
         c = self.client
+        # several hosts (pgjobs://app@db1:5432,db2:5432/db) arrive whole as the hostname, ports
+        # included (see _alias.py); kombu's port then applies to hosts that give none
+        hosts = host_list(c.hostname) if c.hostname and "," in c.hostname else \
+            ((c.hostname, None),) if c.hostname else ()
         conninfo = conninfo_from_parts(
-            host=c.hostname, port=c.port, user=c.userid, password=c.password,
-            dbname=c.virtual_host, options=self.options, ssl=c.ssl)
+            host=",".join(h for h, _ in hosts) or None,
+            port=",".join(str(p or c.port or self.default_port) for _, p in hosts) or c.port,
+            user=c.userid, password=c.password, dbname=c.virtual_host, options=self.options,
+            ssl=c.ssl)
         return backend_for(conninfo, self.options)
 
     def establish_connection(self) -> Any:

@@ -47,7 +47,9 @@ class PrivateServer:
     """One throw-away server. ``dsn`` reaches it; ``restart()`` and ``terminate_all()`` are
     the faults a test applies; ``stop()`` removes it."""
 
-    def __init__(self, bindir: Path) -> None:
+    def __init__(self, bindir: Path, *, standby_of: PrivateServer | None = None) -> None:
+        """A new primary, or with ``standby_of`` a streaming-replication standby of that
+        server (``pg_basebackup -R``: hot standby, read-only until :meth:`promote`)."""
         self.bindir = bindir
         self.port = _free_port()
         self.base = Path(tempfile.mkdtemp(prefix="pgjobs-private-"))
@@ -59,12 +61,19 @@ class PrivateServer:
             self._user = "postgres"
             pw = pwd.getpwnam(self._user)
             os.chown(self.base, pw.pw_uid, pw.pw_gid)
-        self._run("initdb", "-D", str(self.data), "-U", "postgres", "-A", "trust",
-                  "--no-sync", "-E", "UTF8")
-        with open(self.data / "postgresql.conf", "a") as fh:
-            fh.write(f"port = {self.port}\nlisten_addresses = '127.0.0.1'\n"
-                     "unix_socket_directories = ''\nfsync = off\nmax_connections = 200\n"
-                     "shared_buffers = 64MB\n")
+        if standby_of is None:
+            self._run("initdb", "-D", str(self.data), "-U", "postgres", "-A", "trust",
+                      "--no-sync", "-E", "UTF8")
+            with open(self.data / "postgresql.conf", "a") as fh:
+                fh.write(f"port = {self.port}\nlisten_addresses = '127.0.0.1'\n"
+                         "unix_socket_directories = ''\nfsync = off\nmax_connections = 200\n"
+                         "shared_buffers = 64MB\n")
+        else:
+            self._run("pg_basebackup", "-h", "127.0.0.1", "-p", str(standby_of.port),
+                      "-U", "postgres", "-D", str(self.data), "-R", "-X", "stream",
+                      "--no-sync")
+            with open(self.data / "postgresql.conf", "a") as fh:
+                fh.write(f"port = {self.port}\n")
         self.start()
         self.dsn = f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
         self.url = f"pgjobs://postgres@127.0.0.1:{self.port}/postgres"
@@ -83,6 +92,21 @@ class PrivateServer:
         """A fast restart: every backend ends, the server comes back on the same port."""
         self._run("pg_ctl", "-D", str(self.data), "-l", str(self.log), "-w", "-t", "60",
                   "-m", "fast", "restart")
+
+    def halt(self) -> None:
+        """The server stops at once (``-m immediate``, as a crash), its data kept."""
+        self._run("pg_ctl", "-D", str(self.data), "-w", "-t", "30", "-m", "immediate",
+                  "stop")
+
+    def promote(self) -> None:
+        """A standby becomes a primary (a new timeline) and accepts writes."""
+        self._run("pg_ctl", "-D", str(self.data), "-w", "-t", "60", "promote")
+
+    def replicate_synchronously(self) -> None:
+        """A commit here returns only once a standby has flushed it."""
+        with psycopg.connect(self.dsn, autocommit=True) as conn:
+            conn.execute("ALTER SYSTEM SET synchronous_standby_names = '*'")
+            conn.execute("SELECT pg_reload_conf()")
 
     def terminate_all(self) -> int:
         """pg_terminate_backend on every client backend but this call's own."""

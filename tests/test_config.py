@@ -88,6 +88,12 @@ def test_malformed_urls(url, schema):
     # kombu itself refuses a non-numeric port before any transport runs
     with pytest.raises(ValueError):
         kombu.Connection("pgjobs://postgres@127.0.0.1:notaport/test").connect()
+    # a host list (libpq's multi-host form) is the transport's to split
+    for bad in ("pgjobs://postgres@h1,,h2/test", "pgjobs://postgres@h1:5432,h2:0/test",
+                "pgjobs://u@h1:5432,h2:5432:1/test", "pgjobs://u@h1,h2:x/test"):
+        with pytest.raises(InvalidURL):
+            kombu.Connection(bad).connect()
+        assert cli(["migrate", "--dsn", bad, "--json"]) == 2
     assert cli(["migrate", "--dsn", "pgjobs://h:99999/x", "--json"]) == 2
     assert cli(["migrate", "--dsn", "redis://localhost/0"]) == 2
     # TLS parameters are read from the query (tests/test_bad_input.py); nothing else is

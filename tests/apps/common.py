@@ -52,11 +52,12 @@ def db() -> psycopg.Connection:
 def execute(query: str, params: Any = None) -> None:
     """Run a recording statement; once more on a new connection if the server dropped this
     one (fault tests terminate backends and restart the server under running tasks)."""
-    for attempt in range(20):
+    attempts = int(os.environ.get("PGJOBS_TEST_RECORD_ATTEMPTS", "20"))
+    for attempt in range(attempts):
         try:
             db().execute(query, params)
             return
         except psycopg.OperationalError:
-            if attempt == 19:
+            if attempt == attempts - 1:
                 raise
             time.sleep(0.25)
