@@ -44,6 +44,10 @@ from .unconfirmed import Unconfirmed
 
 __all__ = ["Backend", "backend_for", "release_all"]
 
+#: how far claim numbers move up on a new WAL timeline: more claims of one message than a
+#: failover can lose (claim numbers are 32-bit: about 2,000 failovers of room)
+EPOCH_STEP = 1 << 20
+
 log = logging.getLogger("kombu_pgjobs")
 
 _backends: dict[tuple[str, TransportOptions], Backend] = {}
@@ -134,7 +138,19 @@ class Backend:
         if hot and prepare:
             conn.execute("SET plan_cache_mode = force_generic_plan", prepare=False)
         self.ensure_schema(conn)
+        if self.options.failover_fence:
+            self.fence_epoch(conn)
         return conn
+
+    def fence_epoch(self, conn: psycopg.Connection[Any]) -> None:
+        """Before anything is claimed on a new connection: if the server is on a WAL timeline
+        the schema has not seen (a promoted standby, a restore from backup), move every claim
+        number up, once, so none the old primary handed out can be handed out again (see
+        0014_failover_fence.sql). One primary-key read when nothing changed."""
+        moved = conn.execute(self.core.q["epoch_fence"], {"step": EPOCH_STEP},
+                             prepare=False).fetchone()
+        if moved and moved[0]:
+            log_event("pgjobs.epoch.fenced", rows=int(moved[0]), step=EPOCH_STEP)
 
     def ensure_schema(self, conn: psycopg.Connection[Any]) -> None:
         """Migrate on first connect of this process unless auto_migrate is off."""

@@ -90,6 +90,10 @@ OPTIONS: tuple[Option, ...] = (
                "Celery polls drain_events in its synchronous loop."),
     Option("auto_migrate", True, bool,
            doc="Install or upgrade the schema on first connect (under an advisory lock)."),
+    Option("failover_fence", True, bool,
+           doc="On every new connection, check the server's WAL timeline; on a new one (a "
+               "promoted standby, a restore) move every claim number up once before the first "
+               "claim, so no claim number is handed out twice across a failover."),
     Option("max_claim", 100, int, 1, 10_000,
            "Most messages one claim takes when the channel has no prefetch limit."),
     Option("ack_flush_interval", 0.005, float, 0.0, 1.0,
@@ -201,6 +205,7 @@ class TransportOptions:
     confirm_publish: bool = True
     event_loop: bool = True
     auto_migrate: bool = True
+    failover_fence: bool = True
     max_claim: int = 100
     ack_flush_interval: float = 0.005
     vacuum_every: int = 2000

@@ -140,3 +140,56 @@ def test_failover_to_a_promoted_standby_loses_nothing(pair, schema, start_worker
     for w in workers:
         assert w.proc.poll() is None, w.output()[-3000:]
         assert "Unrecoverable error" not in w.output(), w.output()[-3000:]
+
+
+def _claim_one(dsn: str, schema: str, queue: str) -> tuple[int, int]:
+    from kombu_pgjobs.core import QueueCore
+
+    core = QueueCore(schema, lease_ttl=30, max_attempts=20, worker="fence-test:1")
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        claimed = core.claim(conn, [queue], 1).claimed
+    assert len(claimed) == 1
+    return claimed[0].id, claimed[0].claim
+
+
+def _ack(dsn: str, schema: str, pair: tuple[int, int]) -> set[int]:
+    from kombu_pgjobs.core import QueueCore
+
+    core = QueueCore(schema, lease_ttl=30, max_attempts=20, worker="fence-test:1")
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        return core.ack(conn, [pair])
+
+
+def test_a_claim_lost_in_an_asynchronous_failover_is_never_handed_out_again(pair, schema):
+    """Asynchronous replication: the primary claims a message the standby never receives, then
+    dies; the standby is promoted. Without the fence the new primary hands out the same claim
+    number again, and the first holder's ack settles the second run. With it, the new run gets
+    a number above every old one: the stale ack misses and the new holder's ack lands."""
+    primary, standby = pair
+    with psycopg.connect(primary.dsn, autocommit=True) as db:  # back to asynchronous
+        db.execute("ALTER SYSTEM RESET synchronous_standby_names")
+        db.execute("SELECT pg_reload_conf()")
+    url = f"pgjobs://postgres@{_hosts(primary, standby)}/postgres"
+    with kombu.Connection(url, transport_options={"schema": schema}) as conn:
+        conn.SimpleQueue("fenced").put({"n": 1})
+    def replayed() -> bool:
+        with psycopg.connect(standby.dsn, autocommit=True) as db:
+            try:
+                return db.execute(f'SELECT count(*) FROM "{schema}".pgjobs_job').fetchone()[0]
+            except psycopg.errors.UndefinedTable:
+                return False
+
+    wait_for(replayed, 30, what="the standby to have the message")
+    standby.halt()  # the standby misses what follows
+    stale = _claim_one(primary.dsn, schema, "fenced")
+    primary.halt()
+    standby.start()
+    standby.promote()
+    # the first pgjobs connection to the new primary (here: a publish's) fences the claims
+    with kombu.Connection(url, transport_options={"schema": schema}) as conn:
+        conn.SimpleQueue("other").put({"n": 2})
+    fresh = _claim_one(standby.dsn, schema, "fenced")
+    assert fresh[0] == stale[0] and fresh[1] > stale[1], (stale, fresh)
+    assert _ack(standby.dsn, schema, stale) == set(), "a stale holder settled the new run"
+    assert _ack(standby.dsn, schema, fresh) == {fresh[0]}
+    assert _count(standby.dsn, f'SELECT fences FROM "{schema}".pgjobs_epoch') == 1

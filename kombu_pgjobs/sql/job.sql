@@ -495,3 +495,9 @@ SELECT count(*) FROM gone;
 SELECT count(*) FROM {schema}.pgjobs_job
  WHERE queue = %(queue)s AND state IN ('ready', 'waiting') AND run_at <= now()
    AND (expires_at IS NULL OR expires_at > now());
+
+-- name: epoch_fence :one
+-- On a new connection, before any claim: a WAL timeline this schema has not seen (a promoted
+-- standby, a restore) moves every claim number up by %(step)s, once (0014_failover_fence.sql).
+-- Returns the rows moved; 0 (one primary-key read) when the timeline is known.
+SELECT {schema}.pgjobs_fence_epoch_v1(%(step)s::int);
