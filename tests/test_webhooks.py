@@ -98,6 +98,20 @@ def secret_leaks(db: psycopg.Connection[Any], schema: str, *logs: str) -> list[s
     return found
 
 
+def explain_unless(predicate: Any, timeout: float, what: str, db: psycopg.Connection[Any],
+                   schema: str, worker: Any) -> None:
+    """wait_for, failing with the ledger, the live rows and the worker's log tail."""
+    try:
+        wait_for(predicate, timeout, what=what)
+    except AssertionError as exc:
+        rows = db.execute(f'SELECT endpoint_id, attempt, status, outcome, error '
+                          f'FROM "{schema}".pgjobs_webhook_attempt ORDER BY id').fetchall()
+        jobs = db.execute(f'SELECT id, state, run_at, attempts FROM "{schema}".pgjobs_job'
+                          ).fetchall()
+        raise AssertionError(f"{exc}\nledger: {rows}\njobs: {jobs}\n"
+                             f"worker:\n{worker.output()[-6000:]}") from None
+
+
 # -- signing and verify --------------------------------------------------------------------------
 def test_verify_accepts_the_real_signature_and_rejects_the_rest():
     body = b'{"id":"evt_1","type":"order.paid","created":1,"data":{"n":1}}'
@@ -320,7 +334,7 @@ def test_deliveries_retries_and_the_ledger(db, schema, url, server, start_worker
     def done() -> bool:
         jobs = db.execute(f'SELECT count(*) FROM "{schema}".pgjobs_job').fetchone()[0]
         return jobs == 0 and len(dead_letters(db, schema)) == 3
-    wait_for(done, 60, what="every delivery settled")
+    explain_unless(done, 60, "every delivery settled", db, schema, worker)
 
     # 200: one signed POST, verified with the secret; delivered in the ledger
     (ok,) = server.requests("/ok")
@@ -389,6 +403,9 @@ def test_deliveries_retries_and_the_ledger(db, schema, url, server, start_worker
 
     assert secret_leaks(db, schema, worker.output()) == []
     assert "celery_ext.webhook.delivered" in worker.output()
+    # the same grep finds the secret where it is meant to be: the endpoint rows
+    rows = db.execute(f'SELECT t::text FROM "{schema}".pgjobs_webhook_endpoint AS t').fetchall()
+    assert all(SECRET in r[0] for r in rows) and len(rows) == len(ids)
 
 
 @pytest.mark.e2e

@@ -51,7 +51,10 @@ class WebhookServer:
                 if reply.delay:
                     time.sleep(reply.delay)
                 try:
-                    self.send_response(reply.status)
+                    self.send_response_only(reply.status)
+                    given = {k.lower() for k in reply.headers}
+                    if "date" not in given:  # a reply may bring its own (a skewed clock)
+                        self.send_header("Date", self.date_time_string())
                     for key, value in reply.headers.items():
                         self.send_header(key, value)
                     self.send_header("Content-Length", str(len(reply.body)))

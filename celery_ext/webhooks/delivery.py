@@ -30,6 +30,7 @@ import os
 import random
 import time
 from dataclasses import dataclass
+from datetime import timezone
 from email.utils import parsedate_to_datetime
 from typing import Any
 
@@ -127,12 +128,14 @@ def _retry_after(response: httpx.Response) -> float | None:
     if value is None:
         return None
     now = None
-    date = response.headers.get("date")
-    if date:
+    dates = response.headers.get_list("date")
+    if dates:
         try:
-            now = parsedate_to_datetime(date)
+            now = parsedate_to_datetime(dates[0])
         except (TypeError, ValueError, IndexError):
             now = None
+        if now is not None and now.tzinfo is None:  # "-0000": UTC, says RFC 5322
+            now = now.replace(tzinfo=timezone.utc)
     return parse_retry_after(value, now=now)
 
 
