@@ -8,6 +8,7 @@ happened is read back from the database: the ledger, the endpoint row, the dead 
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
 from email.utils import format_datetime
@@ -31,7 +32,7 @@ from kombu_pgjobs.errors import (
     WebhookSignatureInvalid,
 )
 
-from .conftest import wait_for
+from .conftest import ROOT, wait_for
 from .webhook_server import Reply, WebhookServer, webhook_server
 
 APP = "tests.apps.webhooked"
@@ -155,6 +156,30 @@ def test_verify_during_a_secret_rotation():
     with pytest.raises(WebhookSignatureInvalid):
         webhooks.verify({"Pgjobs-Signature": signed_old}, body, ["third-secret-0123456"],
                         now=now)
+
+
+def receiver_snippet() -> Any:
+    """The stdlib-only receiver function docs/webhooks.md offers to copy, as written there."""
+    text = (ROOT / "docs" / "webhooks.md").read_text("utf-8")
+    block = text.split("<!-- receiver-snippet -->", 1)[1].split("```python\n", 1)[1]
+    namespace: dict[str, Any] = {}
+    exec(compile(block.split("```", 1)[0], "docs/webhooks.md", "exec"), namespace)
+    return namespace["verify_pgjobs_webhook"]
+
+
+def test_the_docs_receiver_snippet_verifies_like_verify():
+    check = receiver_snippet()
+    body = b'{"id":"evt_1","data":{}}'
+    now = int(time.time())
+    headers = {"Pgjobs-Signature": webhooks.sign(SECRET, body, now)}
+    assert check(headers, body, SECRET) is True
+    assert check({k.lower(): v for k, v in headers.items()}, body, ["other-secret-0000", SECRET])
+    assert check(headers, body + b" ", SECRET) is False
+    assert check(headers, body, "wrong-secret-000000") is False
+    assert check({"Pgjobs-Signature": webhooks.sign(SECRET, body, now - 301)}, body,
+                 SECRET) is False
+    assert check({}, body, SECRET) is False
+    assert check({"Pgjobs-Signature": "t=x,v1=00"}, body, SECRET) is False
 
 
 # -- the retry table and the settings -------------------------------------------------------------
@@ -339,6 +364,7 @@ def test_deliveries_retries_and_the_ledger(db, schema, url, server, start_worker
     # 200: one signed POST, verified with the secret; delivered in the ledger
     (ok,) = server.requests("/ok")
     assert webhooks.verify(ok.headers, ok.body, SECRET) > 0
+    assert receiver_snippet()(ok.headers, ok.body, SECRET) is True
     assert ok.headers["Pgjobs-Event-Id"] == "evt/ok" == sent["/ok"].event_id
     assert ok.headers["Pgjobs-Event-Type"] == "order.paid"
     assert ok.headers["Pgjobs-Delivery-Attempt"] == "1"

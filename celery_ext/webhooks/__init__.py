@@ -137,14 +137,15 @@ def send(endpoint_id: int, event_type: str, payload: Any, event_id: str | None =
     ``event_id`` (default: a fresh ``evt_<uuid>``) is sent as the ``Pgjobs-Event-Id`` header
     and in the body: receivers deduplicate on it (a delivery is at least once). ``options``
     go to ``apply_async`` (``queue``, ``countdown``, ``priority``...). Bad input raises
-    ``PGJ-804`` (event) or ``PGJ-802`` (no such endpoint) and nothing is published. Inside
-    ``kombu_pgjobs.batch()`` or the app's transaction the publish goes with them.
+    ``PGJ-804`` (event), ``PGJ-802`` (no such endpoint) or ``PGJ-803`` (a bad
+    ``pgjobs_webhook_*`` setting), and nothing is published.
     """
     app = _app(app)
     if not installed(app):
         raise InvalidWebhookSetting(
             "webhooks need celery_ext: call celery_ext.install(app) right after creating the "
             "app (the delivery's retries and dead letters are celery_ext's)")
+    webhook_settings(app.conf)  # a bad setting fails the sender, not every delivery later
     ident = check_endpoint_id(endpoint_id)
     kind = check_key(event_type, "webhook event type", error=InvalidWebhookEvent)
     event = check_key(event_id if event_id is not None else f"evt_{uuid.uuid4().hex}",
