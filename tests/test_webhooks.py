@@ -491,3 +491,28 @@ def test_the_worker_refuses_a_local_endpoint_without_the_allow_list(db, schema, 
     assert server.requests("/local") == []
     assert secret_leaks(db, schema, worker.output()) == []
 
+
+
+@pytest.mark.e2e
+def test_an_attempt_the_worker_abandoned_counts_toward_nothing(db, schema, url, server,
+                                                               start_worker):
+    """A worker killed while its POST waits for the answer writes no ledger row; the message
+    comes back when its lease lapses and the next worker delivers it as attempt 1."""
+    app = sender(schema, url)
+    ep = webhooks.add_endpoint(server.script("/slow", Reply(200, delay=30.0)), secret=SECRET,
+                               disable_after=1, app=app)
+    webhooks.send(ep, "ping", {}, "evt_abandoned", app=app)
+    env = {"PGJOBS_TEST_LEASE_TTL": "2", "PGJOBS_TEST_WEBHOOK_TIMEOUT": "60"}
+    first = start_worker(app=APP, name="doomed", concurrency=1, env=env)
+    wait_for(lambda: server.requests("/slow"), 30, what="the first POST")
+    first.kill()
+    assert ledger(db, schema, ep) == [], "nothing recorded for the abandoned attempt"
+    server.script("/slow", Reply(200))
+    start_worker(app=APP, name="heir", concurrency=1, env=env)
+    wait_for(lambda: ledger(db, schema, ep), 30, what="the delivery after the lease lapsed")
+    (row,) = ledger(db, schema, ep)
+    assert (row["outcome"], row["attempt"], row["event_id"]) == ("delivered", 1, "evt_abandoned")
+    posts = server.requests("/slow")
+    assert len(posts) == 2 and posts[0].body == posts[1].body
+    row = endpoint_row(db, schema, ep)
+    assert (row["enabled"], row["consecutive_failures"]) == (True, 0)

@@ -147,3 +147,19 @@ def test_prune_deletes_old_ledger_rows(db, migrated, url, capsys):
     text = run(capsys, url, schema, "prune", "--older-than", "7d",
                "--webhook-attempts-older-than", "1d", as_json=False)
     assert "deleted 2 webhook attempts" in text
+
+
+def test_a_success_never_reenables_a_disabled_endpoint(db, migrated):
+    """A delivery already in flight when its endpoint was disabled may still succeed: it
+    clears the failure count, but only an operator turns the endpoint back on."""
+    store = WebhookStore(db, migrated)
+    ep = store.add("https://a.example/", SECRET, disable_after=1)
+    assert attempt(store, ep, 1)["disabled_now"] is True
+    late = attempt(store, ep, 2, outcome="delivered", status=200, error=None)
+    assert (late["enabled"], late["consecutive_failures"], late["disabled_now"]) == \
+        (False, 0, False)
+    assert attempt(store, ep, 3)["disabled_now"] is False, "already disabled: not again"
+    row = db.execute(f'SELECT enabled, disabled_reason FROM "{migrated}".'
+                     "pgjobs_webhook_endpoint WHERE id = %s", (ep,)).fetchone()
+    assert row == (False, "failures")
+    assert store.set_enabled(ep, True)["enabled"] is True

@@ -35,9 +35,11 @@ from email.utils import parsedate_to_datetime
 from typing import Any
 
 import httpx
+import psycopg
 from celery import shared_task
 
 from kombu_pgjobs.errors import (
+    DatabaseUnavailable,
     EgressRefused,
     InvalidWebhookEndpoint,
     PgJobsError,
@@ -208,7 +210,9 @@ class WebhookTask(PgJobsTask):
     terminal = (WebhookRejected, EgressRefused, WebhookEndpointDisabled,
                 WebhookEndpointNotFound, InvalidWebhookEndpoint)
     retry_after = (WebhookThrottled,)
-    retryable = (WebhookUnavailable,)
+    #: a database that failed under the attempt (the ledger could not be written) is an
+    #: ordinary fault: the event is sent again later (receivers deduplicate on its id)
+    retryable = (WebhookUnavailable, psycopg.OperationalError, DatabaseUnavailable)
     retry_after_max = 1e9
     retry_after_jitter = 0.0
     acks_late = True

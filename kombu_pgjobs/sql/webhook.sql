@@ -67,18 +67,18 @@ WITH attempt AS (
             clock_timestamp() + make_interval(secs => %(delay)s::float8))
     RETURNING id, next_attempt_at
 ), endpoint AS (
-    -- the failure count after this attempt, and whether it disables the endpoint now
+    -- the failure count after this attempt, and whether it disables the endpoint now (trips:
+    -- only an enabled endpoint; an operator's enable is the only way back)
     UPDATE {schema}.pgjobs_webhook_endpoint AS e
        SET consecutive_failures = c.failures,
            enabled = e.enabled AND NOT c.trips,
-           disabled_at = CASE WHEN e.enabled AND c.trips THEN now() ELSE e.disabled_at END,
-           disabled_reason = CASE WHEN e.enabled AND c.trips THEN 'failures'
-                                  ELSE e.disabled_reason END,
+           disabled_at = CASE WHEN c.trips THEN now() ELSE e.disabled_at END,
+           disabled_reason = CASE WHEN c.trips THEN 'failures' ELSE e.disabled_reason END,
            updated_at = now()
       FROM (SELECT id,
                    CASE WHEN %(effect)s = 'reset' THEN 0
                         ELSE consecutive_failures + 1 END AS failures,
-                   %(effect)s = 'count' AND consecutive_failures + 1
+                   enabled AND %(effect)s = 'count' AND consecutive_failures + 1
                        >= coalesce(disable_after, %(disable_after)s) AS trips
               FROM {schema}.pgjobs_webhook_endpoint
              WHERE id = %(endpoint_id)s) AS c
