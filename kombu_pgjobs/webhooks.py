@@ -203,6 +203,16 @@ class WebhookStore:
             raise WebhookEndpointNotFound(f"no webhook endpoint with id {ident}")
         return rows[0]
 
+    def set_secret(self, endpoint_id: Any, secret: str) -> dict[str, Any]:
+        """Rotate an endpoint's secret (checked like a new one; never echoed)."""
+        ident = check_endpoint_id(endpoint_id)
+        check_secret(secret)
+        row = self.conn.execute(self.q["webhook_endpoint_set_secret"],
+                                {"id": ident, "secret": secret}).fetchone()
+        if row is None:
+            raise WebhookEndpointNotFound(f"no webhook endpoint with id {ident}")
+        return self.show(ident)
+
     # -- the ledger ------------------------------------------------------------------------
     def record_attempt(self, attempt: Mapping[str, Any], *, effect: str,
                        disable_after: int) -> dict[str, Any]:

@@ -1,5 +1,5 @@
-"""``pgjobs webhooks ls | add | show ID | attempts ID | enable ID | disable ID`` and the ledger's
-retention in ``pgjobs prune --webhook-attempts-older-than``.
+"""``pgjobs webhooks ls | add | rotate ID | show ID | attempts ID | enable ID | disable ID``, and
+the ledger's retention in ``pgjobs prune --webhook-attempts-older-than``.
 
 Registered on the parser by :func:`register` (the only line :mod:`kombu_pgjobs.cli` has for
 it); everything goes through :class:`~kombu_pgjobs.webhooks.WebhookStore`. A secret is taken
@@ -72,6 +72,13 @@ def cmd_add(args: argparse.Namespace) -> dict[str, Any]:
         ident = store.add(args.url, secret, description=args.description,
                           disable_after=args.disable_after)
         return store.show(ident)
+
+
+def cmd_rotate(args: argparse.Namespace) -> dict[str, Any]:
+    """Replace an endpoint's signing secret (from --secret-env VAR or --secret-stdin)."""
+    secret = _secret(args)
+    with _store(args) as store:
+        return store.set_secret(args.id, secret)
 
 
 def cmd_show(args: argparse.Namespace) -> dict[str, Any]:
@@ -189,25 +196,33 @@ def _pruning(func: Callable[[argparse.Namespace], Any],
 
 
 # -- registration --------------------------------------------------------------------------
+def _secret_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--secret-env", metavar="VAR",
+                   help="read the signing secret from this environment variable")
+    p.add_argument("--secret-stdin", action="store_true",
+                   help="read the signing secret from the first line of standard input")
+
+
 def register(sub: Any, common: argparse.ArgumentParser, add: Callable[..., Any]) -> None:
     """Add ``pgjobs webhooks ...`` to the CLI's subcommands, and the ledger's retention to
     ``pgjobs prune``. ``add`` is the CLI's own subcommand maker."""
     hooks = sub.add_parser("webhooks", parents=[common],
-                           help="webhook endpoints: ls, add, show, attempts, enable, disable")
+                           help="webhook endpoints: ls, add, rotate, show, attempts, enable, "
+                                "disable")
     wsub = hooks.add_subparsers(dest="webhooks_command", required=True, metavar="COMMAND")
     p = add(wsub, "ls", cmd_ls, _render_ls, common)
     p.add_argument("--after", metavar="ID", help="the page after this endpoint id")
     p.add_argument("--limit", type=int, default=50, help="rows per page (default 50)")
     p = add(wsub, "add", cmd_add, _render_show, common)
     p.add_argument("url", help="https://... where deliveries are POSTed")
-    p.add_argument("--secret-env", metavar="VAR",
-                   help="read the signing secret from this environment variable")
-    p.add_argument("--secret-stdin", action="store_true",
-                   help="read the signing secret from the first line of standard input")
+    _secret_args(p)
     p.add_argument("--description")
     p.add_argument("--disable-after", type=int, metavar="N",
                    help="disable after N consecutive failed deliveries (default: the app's "
                         "pgjobs_webhook_disable_after)")
+    p = add(wsub, "rotate", cmd_rotate, _render_show, common)
+    p.add_argument("id")
+    _secret_args(p)
     p = add(wsub, "show", cmd_show, _render_show, common)
     p.add_argument("id")
     p = add(wsub, "attempts", cmd_attempts, _render_attempts, common)

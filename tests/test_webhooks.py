@@ -89,13 +89,15 @@ def event_of(dead: dict[str, Any]) -> str:
     return str(headers["argsrepr"])
 
 
-def secret_leaks(db: psycopg.Connection[Any], schema: str, *logs: str) -> list[str]:
-    """Every place outside the endpoint row where the secret appears."""
+def secret_leaks(db: psycopg.Connection[Any], schema: str, *logs: str,
+                 secrets: tuple[str, ...] = (SECRET,)) -> list[str]:
+    """Every place outside the endpoint row where a secret appears."""
     found = []
     for table in ("pgjobs_job", "pgjobs_dead_letter", "pgjobs_webhook_attempt"):
         rows = db.execute(f'SELECT t::text FROM "{schema}".{table} AS t').fetchall()
-        found += [f"{table}: {r[0][:200]}" for r in rows if SECRET in r[0]]
-    found += [f"log: {line}" for text in logs for line in text.splitlines() if SECRET in line]
+        found += [f"{table}: {r[0][:200]}" for r in rows if any(s in r[0] for s in secrets)]
+    found += [f"log: {line}" for text in logs for line in text.splitlines()
+              if any(s in line for s in secrets)]
     return found
 
 
@@ -464,13 +466,19 @@ def test_an_endpoint_is_disabled_after_n_failed_deliveries(db, schema, url, serv
     assert endpoint_row(db, schema, ep)["consecutive_failures"] == 0
     from kombu_pgjobs.admin import Admin
 
+    # a rotation on the way: the requeued delivery is signed with the new secret
+    rotated = SECRET[::-1]
+    assert webhooks.rotate_secret(ep, secret=rotated, app=app)["secret"] == "********"
     Admin(db, schema).dead_requeue([last["id"]])
     wait_for(lambda: len(server.requests("/down")) == 3, 30, what="the requeued delivery")
     wait_for(lambda: ledger(db, schema, ep)[-1]["outcome"] == "delivered", 30,
              what="delivered")
-    assert server.requests("/down")[-1].headers["Pgjobs-Event-Id"] == "evt_3"
-    assert third.event_id == "evt_3"
-    assert secret_leaks(db, schema, worker.output()) == []
+    resent = server.requests("/down")[-1]
+    assert resent.headers["Pgjobs-Event-Id"] == "evt_3" == third.event_id
+    assert webhooks.verify(resent.headers, resent.body, [SECRET, rotated]) > 0
+    with pytest.raises(WebhookSignatureInvalid):
+        webhooks.verify(resent.headers, resent.body, SECRET)
+    assert secret_leaks(db, schema, worker.output(), secrets=(SECRET, rotated)) == []
 
 
 @pytest.mark.e2e

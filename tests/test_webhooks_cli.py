@@ -89,6 +89,16 @@ def test_webhooks_commands(db, migrated, url, capsys, monkeypatch):
     assert run(capsys, url, schema, "webhooks", "disable", str(ep))["disabled_reason"] == \
         "operator"
 
+    monkeypatch.setenv("NEW_SECRET", SECRET + "-2")
+    run(capsys, url, schema, "webhooks", "rotate", str(ep), "--secret-env", "NEW_SECRET")
+    monkeypatch.setenv("SHORT", "short")
+    bad = run(capsys, url, schema, "webhooks", "rotate", str(ep), "--secret-env", "SHORT",
+              code=2)
+    assert bad["error"]["code"] == "PGJ-801"
+    stored = db.execute(f'SELECT secret FROM "{schema}".pgjobs_webhook_endpoint WHERE id = %s',
+                        (ep,)).fetchone()
+    assert stored == (SECRET + "-2",), "rotated once; the short one was refused"
+
     text = run(capsys, url, schema, "webhooks", "show", str(ep), as_json=False)
     assert "disabled (operator)" in text and "********" in text
     text = run(capsys, url, schema, "webhooks", "attempts", str(ep), as_json=False)

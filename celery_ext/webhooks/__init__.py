@@ -64,6 +64,7 @@ __all__ = [
     "deliver",
     "disable",
     "enable",
+    "rotate_secret",
     "send",
     "sign",
     "verify",
@@ -119,6 +120,15 @@ def disable(endpoint_id: int, *, app: Any = None) -> dict[str, Any]:
     backend, schema = store(_app(app))
     return dict(backend.publishing(
         lambda c: WebhookStore(c, schema).set_enabled(endpoint_id, False)))
+
+
+def rotate_secret(endpoint_id: int, *, secret: str, app: Any = None) -> dict[str, Any]:
+    """Sign the endpoint's deliveries with a new secret from the next attempt on. Have the
+    receiver accept both (``verify(..., [new, old])``) first, rotate, then let it drop the
+    old one."""
+    backend, schema = store(_app(app))
+    return dict(backend.publishing(
+        lambda c: WebhookStore(c, schema).set_secret(endpoint_id, secret)))
 
 
 def _payload(payload: Any) -> None:

@@ -47,6 +47,13 @@ UPDATE {schema}.pgjobs_webhook_endpoint
  WHERE id = %(id)s
 RETURNING id, enabled, disabled_reason;
 
+-- name: webhook_endpoint_set_secret :one
+-- Replace an endpoint's signing secret (rotation); the next attempt signs with the new one.
+UPDATE {schema}.pgjobs_webhook_endpoint
+   SET secret = %(secret)s, updated_at = now()
+ WHERE id = %(id)s
+RETURNING id;
+
 -- name: webhook_attempt_record :one
 -- One attempt into the ledger and its effect on the endpoint, in one statement (so the ledger
 -- row and the failure count cannot disagree). %(effect)s:
