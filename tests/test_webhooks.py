@@ -124,6 +124,11 @@ def test_verify_accepts_the_real_signature_and_rejects_the_rest():
     headers = {"pgjobs-signature": header, "Content-Type": "application/json"}
     assert webhooks.verify(headers, body, SECRET, now=now + 10) == now
     assert webhooks.verify(list(headers.items()), body, SECRET, now=now - 299) == now
+    from email.message import Message  # what http.server hands a handler as self.headers
+
+    message = Message()
+    message["Pgjobs-Signature"] = header
+    assert webhooks.verify(message, body, SECRET, now=now) == now
 
     def refused(hdrs: Any, data: bytes, secret: Any, **kw: Any) -> str:
         with pytest.raises(WebhookSignatureInvalid) as err:

@@ -39,6 +39,7 @@ import psycopg
 from celery import shared_task
 
 from kombu_pgjobs.errors import (
+    DatabaseTimeout,
     DatabaseUnavailable,
     EgressRefused,
     InvalidWebhookEndpoint,
@@ -212,7 +213,8 @@ class WebhookTask(PgJobsTask):
     retry_after = (WebhookThrottled,)
     #: a database that failed under the attempt (the ledger could not be written) is an
     #: ordinary fault: the event is sent again later (receivers deduplicate on its id)
-    retryable = (WebhookUnavailable, psycopg.OperationalError, DatabaseUnavailable)
+    retryable = (WebhookUnavailable, psycopg.OperationalError, DatabaseUnavailable,
+                 DatabaseTimeout)
     retry_after_max = 1e9
     retry_after_jitter = 0.0
     acks_late = True

@@ -52,9 +52,10 @@ def sign(secret: str, body: bytes, timestamp: int | None = None) -> str:
 
 
 def _header(headers: Mapping[str, Any] | Iterable[tuple[str, Any]], name: str) -> str | None:
-    """A header by name, whatever its case, from a mapping (dict, WSGI-style environ
-    excluded) or a list of pairs. Two different values are refused as ambiguous."""
-    items = headers.items() if isinstance(headers, Mapping) else headers
+    """A header by name, whatever its case, from anything with ``items()`` (a dict, Django's
+    ``request.headers``, werkzeug's ``Headers``, ``http.server``'s message) or a list of
+    pairs. Two different values are refused as ambiguous."""
+    items = headers.items() if hasattr(headers, "items") else headers
     found: list[str] = []
     for key, value in items:
         if str(key).lower() == name.lower():
