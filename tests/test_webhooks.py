@@ -218,6 +218,8 @@ def test_settings_are_checked():
                 {"pgjobs_webhook_backoff": float("nan")}, {"pgjobs_webhook_backoff": -1},
                 {"pgjobs_webhook_timeout": 0}, {"pgjobs_webhook_timeout": True},
                 {"pgjobs_webhook_max_attempts": 0},
+                {"pgjobs_webhook_concurrency_per_endpoint": 0},
+                {"pgjobs_webhook_concurrency_per_endpoint": "2"},
                 {"pgjobs_webhook_backoff": 10, "pgjobs_webhook_backoff_max": 5}):
         with pytest.raises(InvalidWebhookSetting) as err:
             webhook_settings(bad)
@@ -529,3 +531,27 @@ def test_an_attempt_the_worker_abandoned_counts_toward_nothing(db, schema, url, 
     assert len(posts) == 2 and posts[0].body == posts[1].body
     row = endpoint_row(db, schema, ep)
     assert (row["enabled"], row["consecutive_failures"]) == (True, 0)
+
+
+@pytest.mark.e2e
+def test_concurrency_per_endpoint(db, schema, url, server, start_worker):
+    """pgjobs_webhook_concurrency_per_endpoint = 1: a slow endpoint gets one delivery at a
+    time from a worker with four threads; an endpoint sent without the setting gets several."""
+    capped = sender(schema, url, pgjobs_webhook_concurrency_per_endpoint=1)
+    free = sender(schema, url)
+    slow = webhooks.add_endpoint(server.script("/one", Reply(200, delay=0.5)), secret=SECRET,
+                                 app=capped)
+    other = webhooks.add_endpoint(server.script("/many", Reply(200, delay=0.5)),
+                                  secret=SECRET, app=free)
+    for n in range(4):
+        webhooks.send(slow, "ping", {"n": n}, app=capped)
+        webhooks.send(other, "ping", {"n": n}, app=free)
+    limits = db.execute(f'SELECT DISTINCT limits::text FROM "{schema}".pgjobs_job '
+                        "WHERE limits IS NOT NULL").fetchall()
+    assert len(limits) == 1 and f'"webhook:{slow}"' in limits[0][0]
+    worker = start_worker(app=APP, name="capped", concurrency=4)
+    explain_unless(lambda: len([r for e in (slow, other) for r in ledger(db, schema, e)
+                                if r["outcome"] == "delivered"]) == 8, 60, "eight deliveries",
+                   db, schema, worker)
+    assert server.most_in_flight["/one"] == 1
+    assert server.most_in_flight["/many"] >= 2, "without the cap the worker overlaps them"

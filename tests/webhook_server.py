@@ -36,6 +36,9 @@ class WebhookServer:
     def __init__(self) -> None:
         self.replies: dict[str, list[Reply]] = {}
         self.received: list[Received] = []
+        #: requests being answered now, and the most at once, per path
+        self.in_flight: dict[str, int] = {}
+        self.most_in_flight: dict[str, int] = {}
         self.lock = threading.Lock()
         server = self
 
@@ -48,8 +51,13 @@ class WebhookServer:
                                                     body, time.time()))
                     queue = server.replies.get(self.path) or [Reply(404)]
                     reply = queue.pop(0) if len(queue) > 1 else queue[0]
+                    now = server.in_flight[self.path] = server.in_flight.get(self.path, 0) + 1
+                    server.most_in_flight[self.path] = max(
+                        now, server.most_in_flight.get(self.path, 0))
                 if reply.delay:
                     time.sleep(reply.delay)
+                with server.lock:
+                    server.in_flight[self.path] -= 1
                 try:
                     self.send_response_only(reply.status)
                     given = {k.lower() for k in reply.headers}

@@ -36,9 +36,10 @@ from urllib.parse import urlsplit
 from celery import current_app
 
 from kombu_pgjobs.errors import InvalidWebhookEvent, InvalidWebhookSetting, WebhookEndpointNotFound
-from kombu_pgjobs.limits import check_key
+from kombu_pgjobs.limits import LIMITS_HEADER, check_key
 from kombu_pgjobs.webhooks import WebhookStore, check_endpoint_id, check_url
 
+from ..limits import limits_header
 from ..state import installed
 from .delivery import DELIVER_TASK, deliver, store
 from .egress import check_addresses
@@ -155,7 +156,7 @@ def send(endpoint_id: int, event_type: str, payload: Any, event_id: str | None =
         raise InvalidWebhookSetting(
             "webhooks need celery_ext: call celery_ext.install(app) right after creating the "
             "app (the delivery's retries and dead letters are celery_ext's)")
-    webhook_settings(app.conf)  # a bad setting fails the sender, not every delivery later
+    settings = webhook_settings(app.conf)  # a bad setting fails the sender, not a delivery
     ident = check_endpoint_id(endpoint_id)
     kind = check_key(event_type, "webhook event type", error=InvalidWebhookEvent)
     event = check_key(event_id if event_id is not None else f"evt_{uuid.uuid4().hex}",
@@ -165,6 +166,23 @@ def send(endpoint_id: int, event_type: str, payload: Any, event_id: str | None =
     if not backend.publishing(lambda c: WebhookStore(c, schema).exists(ident)):
         raise WebhookEndpointNotFound(f"no webhook endpoint with id {ident}")
     created = math.floor(time.time())
-    result = app.tasks[DELIVER_TASK].apply_async(
-        (ident, event, kind, payload, created), **options)
+    task = app.tasks[DELIVER_TASK]
+    args = (ident, event, kind, payload, created)
+    if settings.concurrency_per_endpoint is not None:
+        options["headers"] = _endpoint_cap(task, args, options, ident,
+                                           settings.concurrency_per_endpoint)
+    result = task.apply_async(args, **options)
     return Sent(event_id=event, task_id=str(result.id))
+
+
+def _endpoint_cap(task: Any, args: tuple[Any, ...], options: dict[str, Any], endpoint: int,
+                  cap: int) -> dict[str, Any]:
+    """The publish's headers with a concurrency key per endpoint first, then whatever limits
+    the app declares (queue, global): held from claim to ack, fleet-wide, by the claim in
+    Postgres. Retries carry it on (they copy the message's headers)."""
+    headers = dict(options.get("headers") or {})
+    limits = limits_header(task, args, {}, options, headers) or {}
+    limits["concurrency"] = [{"key": f"webhook:{endpoint}", "limit": cap},
+                             *limits.get("concurrency", [])]
+    headers[LIMITS_HEADER] = limits
+    return headers

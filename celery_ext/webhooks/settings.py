@@ -30,6 +30,8 @@ class WebhookSettings:
     timeout: float = 10.0
     #: attempts of one event before the delivery fails for good
     max_attempts: int = 12
+    #: at most this many deliveries to one endpoint running at once, fleet-wide (None: no cap)
+    concurrency_per_endpoint: int | None = None
 
 
 def _number(conf: Any, name: str, default: float, low: float, high: float) -> float:
@@ -93,4 +95,6 @@ def webhook_settings(conf: Any) -> WebhookSettings:
         backoff=backoff, backoff_max=backoff_max,
         timeout=_number(conf, "pgjobs_webhook_timeout", 10.0, 0.0, 300.0),
         max_attempts=_whole(conf, "pgjobs_webhook_max_attempts", 12, 100),
+        concurrency_per_endpoint=None if conf.get("pgjobs_webhook_concurrency_per_endpoint")
+        is None else _whole(conf, "pgjobs_webhook_concurrency_per_endpoint", 1, 100_000),
     )
