@@ -18,8 +18,8 @@ On the receiving side::
 
 App settings: ``pgjobs_webhook_allow_hosts``, ``pgjobs_webhook_disable_after``,
 ``pgjobs_webhook_backoff``, ``pgjobs_webhook_backoff_max``, ``pgjobs_webhook_timeout``,
-``pgjobs_webhook_max_attempts`` (see :mod:`celery_ext.webhooks.settings` and
-docs/webhooks.md).
+``pgjobs_webhook_max_attempts``, ``pgjobs_webhook_concurrency_per_endpoint`` (see
+:mod:`celery_ext.webhooks.settings` and docs/webhooks.md).
 """
 
 from __future__ import annotations
