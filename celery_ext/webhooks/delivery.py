@@ -240,6 +240,7 @@ def deliver(self: WebhookTask, endpoint_id: int, event_id: str, event_type: str,
     body = envelope(event_id, event_type, payload, created)
     headers = {
         "Content-Type": "application/json", "User-Agent": USER_AGENT,
+        "Accept-Encoding": "identity",  # the excerpt is raw bytes, never a decompressed bomb
         EVENT_ID_HEADER: event_id, EVENT_TYPE_HEADER: event_type,
         ATTEMPT_HEADER: str(attempt), SIGNATURE_HEADER: sign(endpoint.secret, body),
     }
