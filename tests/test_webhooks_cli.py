@@ -173,3 +173,17 @@ def test_a_success_never_reenables_a_disabled_endpoint(db, migrated):
                      "pgjobs_webhook_endpoint WHERE id = %s", (ep,)).fetchone()
     assert row == (False, "failures")
     assert store.set_enabled(ep, True)["enabled"] is True
+
+
+def test_the_cli_does_not_import_celery_or_httpx():
+    """kombu_pgjobs depends on kombu and psycopg only: the webhooks commands included."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from kombu_pgjobs.cli import build_parser; build_parser(); "
+            "import kombu_pgjobs.webhooks; "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & "
+            "{'celery', 'celery_ext', 'httpx', 'httpcore'}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "[]"
