@@ -128,6 +128,13 @@ def _error(task: Any, request: Any, exc: BaseException, einfo: Any) -> dict[str,
     }
 
 
+def _reason(exc: BaseException) -> str:
+    """``failed``, or the reason an exception names for itself (``dead_letter_reason``: a
+    webhook to a disabled endpoint is ``endpoint_disabled``)."""
+    reason = getattr(exc, "dead_letter_reason", None)
+    return reason if isinstance(reason, str) and reason else "failed"
+
+
 def on_task_failure(sender: Any = None, exception: BaseException | None = None,
                     einfo: Any = None, **_: Any) -> None:
     """Signal receiver. Never raises: a dead letter that cannot be written is logged, and the
@@ -159,7 +166,8 @@ def on_task_failure(sender: Any = None, exception: BaseException | None = None,
                        "x-pgjobs-unrebuildable": str(exc)[:500]}
         dead_id = backend.publishing(lambda conn: record_dead_letter(
             conn, backend.options.schema, queue=queue, task=task.name, message=message,
-            reason="failed", error={**error, "job_id": pair[0] if pair else None}, job=pair,
+            reason=_reason(exception),
+            error={**error, "job_id": pair[0] if pair else None}, job=pair,
             priority=int(info.get("priority") or 0), attempts=1,
             max_attempts=getattr(task, "max_attempts", None), shard=backend.worker))
         log.info("celery_ext.dead_letter.recorded task=%s id=%s dead_letter=%s rule=%s",

@@ -706,11 +706,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="print the exact counts only")
     p.add_argument("--batch", type=int, default=DEFAULT_BATCH, help="rows per transaction")
     p.add_argument("--limit", type=int, default=100_000, help="most rows per table per call")
+
+    from .webhooks_cli import register as register_webhooks  # its module imports this one
+    register_webhooks(sub, common, _add)
     return parser
 
 
 def _exit_code(exc: PgJobsError) -> int:
-    return 2 if isinstance(exc, ConfigurationError) or exc.code.startswith("PGJ-4") else 3
+    return 2 if isinstance(exc, ConfigurationError) or exc.code.startswith(("PGJ-4", "PGJ-8")) \
+        else 3
 
 
 def _wants_json(argv: Sequence[str]) -> bool:

@@ -10,6 +10,7 @@ renumbered or reused. Codes are grouped by area:
 * ``PGJ-5xx`` outbox and tenants
 * ``PGJ-6xx`` scheduler and leadership
 * ``PGJ-7xx`` migrations
+* ``PGJ-8xx`` webhooks
 
 The class docstring is the default message; pass a more specific one where it helps the user fix
 the mistake. ``docs/reference/errors.md`` lists every code (a unit test keeps the two in step).
@@ -24,6 +25,7 @@ __all__ = [
     "ConfigurationError",
     "DatabaseTimeout",
     "DatabaseUnavailable",
+    "EgressRefused",
     "EmbeddedServerError",
     "InvalidArgument",
     "InvalidLimit",
@@ -35,6 +37,9 @@ __all__ = [
     "InvalidTenant",
     "InvalidTenantOption",
     "InvalidURL",
+    "InvalidWebhookEndpoint",
+    "InvalidWebhookEvent",
+    "InvalidWebhookSetting",
     "KeyBusy",
     "MessageError",
     "MigrationError",
@@ -48,6 +53,12 @@ __all__ = [
     "UnknownQueue",
     "UnknownState",
     "UsageError",
+    "WebhookEndpointDisabled",
+    "WebhookEndpointNotFound",
+    "WebhookRejected",
+    "WebhookSignatureInvalid",
+    "WebhookThrottled",
+    "WebhookUnavailable",
     "all_error_classes",
 ]
 
@@ -261,6 +272,78 @@ class SchemaTooNew(MigrationError):
     process that uses the schema) before using it."""
 
     code = "PGJ-702"
+
+
+# -- webhooks (PGJ-8xx) -------------------------------------------------------------------------
+class InvalidWebhookEndpoint(ConfigurationError):
+    """A webhook endpoint is invalid: an http(s) URL with a host and no user:password, a secret
+    of 16 to 1000 characters without control characters, disable_after a whole number in
+    1-1000000. Nothing was written."""
+
+    code = "PGJ-801"
+
+
+class WebhookEndpointNotFound(NotFound):
+    """No webhook endpoint with this id (see `pgjobs webhooks ls`)."""
+
+    code = "PGJ-802"
+
+
+class InvalidWebhookSetting(ConfigurationError):
+    """A ``pgjobs_webhook_*`` app setting is invalid; see docs/reference/configuration.md."""
+
+    code = "PGJ-803"
+
+
+class InvalidWebhookEvent(PgJobsError):
+    """A webhook event cannot be sent: its type or id is not a non-empty string of at most 200
+    characters without control characters, or its payload is not JSON. Nothing was written."""
+
+    code = "PGJ-804"
+
+
+class EgressRefused(PgJobsError):
+    """A webhook endpoint resolves to an address pgjobs refuses to connect to (private,
+    loopback, link-local, unspecified, multicast, reserved or cloud metadata): add the host or
+    network to ``pgjobs_webhook_allow_hosts`` if it is really meant."""
+
+    code = "PGJ-805"
+
+
+class WebhookRejected(PgJobsError):
+    """The endpoint answered with a status that retrying cannot change (a 4xx other than 408 or
+    429, a redirect, or any other non-2xx): the delivery failed for good."""
+
+    code = "PGJ-806"
+
+
+class WebhookUnavailable(PgJobsError):
+    """The endpoint answered 408 or 5xx, or could not be reached or did not answer in time: the
+    delivery is retried with exponential backoff."""
+
+    code = "PGJ-807"
+
+
+class WebhookThrottled(WebhookUnavailable):
+    """The endpoint answered 429 (or 503 with Retry-After): the next attempt waits the time it
+    named."""
+
+    code = "PGJ-808"
+
+
+class WebhookEndpointDisabled(PgJobsError):
+    """The webhook endpoint is disabled (by an operator, or after too many consecutive failed
+    deliveries): the delivery was not attempted. `pgjobs webhooks enable ID` turns it back on;
+    `pgjobs dead requeue` then sends what was dead-lettered meanwhile."""
+
+    code = "PGJ-809"
+
+
+class WebhookSignatureInvalid(PgJobsError):
+    """A received webhook's signature does not verify: missing or malformed header, timestamp
+    outside the tolerance, or no signature made with any of the given secrets."""
+
+    code = "PGJ-810"
 
 
 def all_error_classes() -> list[type[PgJobsError]]:

@@ -1,0 +1,100 @@
+"""The ``pgjobs_webhook_*`` app settings, read and checked in one place."""
+
+from __future__ import annotations
+
+import ipaddress
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from kombu_pgjobs.errors import InvalidWebhookSetting
+
+__all__ = ["Network", "WebhookSettings", "webhook_settings"]
+
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+@dataclass(frozen=True, slots=True)
+class WebhookSettings:
+    #: host names allowed whatever they resolve to (lower case)
+    allow_names: tuple[str, ...] = ()
+    #: networks whose addresses are allowed although private, loopback, ...
+    allow_networks: tuple[Network, ...] = ()
+    #: consecutive failed deliveries before an endpoint is disabled (unless it says otherwise)
+    disable_after: int = 20
+    #: base seconds of the exponential backoff
+    backoff: float = 30.0
+    #: most seconds between two attempts (backoff and Retry-After alike)
+    backoff_max: float = 21600.0
+    #: seconds to connect, and between bytes of the response
+    timeout: float = 10.0
+    #: attempts of one event before the delivery fails for good
+    max_attempts: int = 12
+    #: at most this many deliveries to one endpoint running at once, fleet-wide (None: no cap)
+    concurrency_per_endpoint: int | None = None
+
+
+def _number(conf: Any, name: str, default: float, low: float, high: float) -> float:
+    value = conf.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not math.isfinite(value) or not low < value <= high:
+        raise InvalidWebhookSetting(
+            f"{name} must be a number of seconds in ({low:g}, {high:g}], got {value!r}")
+    return float(value)
+
+
+def _whole(conf: Any, name: str, default: int, high: int) -> int:
+    value = conf.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= high:
+        raise InvalidWebhookSetting(f"{name} must be a whole number in 1-{high}, got {value!r}")
+    return value
+
+
+def _allowed(conf: Any) -> tuple[tuple[str, ...], tuple[Network, ...]]:
+    value = conf.get("pgjobs_webhook_allow_hosts")
+    if value is None:
+        return (), ()
+    if isinstance(value, str) or not isinstance(value, (list, tuple, set, frozenset)):
+        raise InvalidWebhookSetting(
+            "pgjobs_webhook_allow_hosts must be a list of host names, addresses or networks "
+            f"(['hooks.internal', '10.0.0.0/8']), got {value!r}")
+    names: list[str] = []
+    networks: list[Network] = []
+    for item in value:
+        if not isinstance(item, str) or not item or len(item) > 253 or any(
+                c.isspace() or ord(c) < 32 for c in item):
+            raise InvalidWebhookSetting(
+                f"pgjobs_webhook_allow_hosts: {item!r} is not a host name, address or network")
+        try:
+            networks.append(ipaddress.ip_network(item.strip("[]"), strict=False))
+        except ValueError:
+            if "/" in item:
+                raise InvalidWebhookSetting(
+                    f"pgjobs_webhook_allow_hosts: {item!r} is not a valid network") from None
+            names.append(item.lower().rstrip("."))
+    return tuple(names), tuple(networks)
+
+
+def webhook_settings(conf: Any) -> WebhookSettings:
+    """The webhook settings of an app's configuration, checked (``PGJ-803`` when invalid)."""
+    names, networks = _allowed(conf)
+    backoff = _number(conf, "pgjobs_webhook_backoff", 30.0, 0.0, 86400.0)
+    backoff_max = _number(conf, "pgjobs_webhook_backoff_max", max(21600.0, backoff), 0.0,
+                          7 * 86400.0)
+    if backoff_max < backoff:
+        raise InvalidWebhookSetting(
+            f"pgjobs_webhook_backoff_max ({backoff_max:g}) is below pgjobs_webhook_backoff "
+            f"({backoff:g})")
+    return WebhookSettings(
+        allow_names=names, allow_networks=networks,
+        disable_after=_whole(conf, "pgjobs_webhook_disable_after", 20, 1_000_000),
+        backoff=backoff, backoff_max=backoff_max,
+        timeout=_number(conf, "pgjobs_webhook_timeout", 10.0, 0.0, 300.0),
+        max_attempts=_whole(conf, "pgjobs_webhook_max_attempts", 12, 100),
+        concurrency_per_endpoint=None if conf.get("pgjobs_webhook_concurrency_per_endpoint")
+        is None else _whole(conf, "pgjobs_webhook_concurrency_per_endpoint", 1, 100_000),
+    )

@@ -1,0 +1,265 @@
+"""Webhook endpoints and the ledger of delivery attempts: the tables, read and written.
+
+``celery_ext.webhooks`` (the delivery task, ``add_endpoint``, ``send``) and the ``pgjobs
+webhooks`` CLI both go through :class:`WebhookStore`; every statement lives in
+``sql/webhook.sql``. This module knows nothing of HTTP or Celery.
+
+The secret is written by :meth:`WebhookStore.add` and read back only by
+:meth:`WebhookStore.for_delivery`, into an :class:`Endpoint` whose ``repr`` leaves it out; what
+operators see (:meth:`WebhookStore.ls`, :meth:`WebhookStore.show`) never selects it.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import date, datetime
+from typing import Any
+from urllib.parse import urlsplit
+
+import psycopg
+
+from .errors import InvalidArgument, InvalidWebhookEndpoint, WebhookEndpointNotFound
+from .options import validate_schema_name
+from .sql import queries
+
+__all__ = [
+    "MASK",
+    "MAX_EXCERPT",
+    "Endpoint",
+    "WebhookStore",
+    "check_disable_after",
+    "check_endpoint_id",
+    "check_secret",
+    "check_url",
+]
+
+#: what operators see instead of a secret
+MASK = "********"
+#: the most characters of a response body the ledger keeps
+MAX_EXCERPT = 1024
+MAX_URL = 2048
+MIN_SECRET, MAX_SECRET = 16, 1000
+MAX_PAGE = 1000
+_CONTROL = re.compile(r"[\x00-\x20\x7f-\x9f]")
+_SECRET_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
+
+
+def check_url(url: Any) -> str:
+    """An absolute http(s) URL with a host, no ``user:password@`` (it would travel to every
+    log and CLI listing the URL appears in: put credentials in the signature), no fragment, no
+    whitespace or control characters, at most 2048 characters."""
+    if not isinstance(url, str) or not url:
+        raise InvalidWebhookEndpoint(f"webhook URL must be a non-empty string, got {url!r}")
+    if len(url) > MAX_URL:
+        raise InvalidWebhookEndpoint(f"webhook URL is longer than {MAX_URL} characters")
+    if _CONTROL.search(url):
+        raise InvalidWebhookEndpoint(
+            f"webhook URL holds whitespace or control characters: {url[:80]!r}")
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as exc:
+        raise InvalidWebhookEndpoint(f"webhook URL {url[:80]!r} is malformed: {exc}") from None
+    if parts.scheme not in ("http", "https"):
+        raise InvalidWebhookEndpoint(
+            f"webhook URL must start with https:// or http://, got {url[:80]!r}")
+    if not parts.hostname:
+        raise InvalidWebhookEndpoint(f"webhook URL {url[:80]!r} has no host")
+    if parts.username is not None or parts.password is not None:
+        raise InvalidWebhookEndpoint(
+            "webhook URL must not carry user:password@ (it would be shown wherever the URL "
+            "is): the signature authenticates deliveries")
+    if parts.fragment:
+        raise InvalidWebhookEndpoint(f"webhook URL {url[:80]!r} has a #fragment")
+    if port == 0:
+        raise InvalidWebhookEndpoint(f"webhook URL {url[:80]!r} has port 0")
+    return url
+
+
+def check_secret(secret: Any) -> str:
+    """16 to 1000 characters, no control characters. The error never repeats the value."""
+    if not isinstance(secret, str):
+        raise InvalidWebhookEndpoint(
+            f"webhook secret must be a string, got {type(secret).__name__}")
+    if not MIN_SECRET <= len(secret) <= MAX_SECRET:
+        raise InvalidWebhookEndpoint(
+            f"webhook secret must be {MIN_SECRET} to {MAX_SECRET} characters long, got "
+            f"{len(secret)} (make one with: python -c 'import secrets; "
+            "print(secrets.token_urlsafe(32))')")
+    if _SECRET_CONTROL.search(secret):
+        raise InvalidWebhookEndpoint("webhook secret holds control characters")
+    return secret
+
+
+def check_disable_after(value: Any, what: str = "disable_after") -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 1_000_000:
+        raise InvalidWebhookEndpoint(
+            f"{what} must be a whole number in 1-1000000 (consecutive failed deliveries), "
+            f"got {value!r}")
+    return value
+
+
+def check_endpoint_id(value: Any) -> int:
+    try:
+        ident = int(str(value)) if not isinstance(value, bool) else -1
+    except ValueError:
+        raise InvalidArgument(f"webhook endpoint id {value!r} is not a number") from None
+    if not 1 <= ident < 2**63:
+        raise InvalidArgument(f"webhook endpoint id {value!r} is out of range")
+    return ident
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """What a delivery needs. ``secret`` is left out of ``repr`` (tracebacks, logs)."""
+
+    id: int
+    url: str
+    enabled: bool
+    secret: str = field(repr=False)
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, (datetime, date)):
+        return value.isoformat()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def _dicts(cur: psycopg.Cursor[Any]) -> list[dict[str, Any]]:
+    names = [d.name for d in cur.description or ()]
+    return [{k: _plain(v) for k, v in zip(names, row, strict=True)} for row in cur.fetchall()]
+
+
+class WebhookStore:
+    """Webhook statements on one schema, over a connection the caller owns (autocommit)."""
+
+    def __init__(self, conn: psycopg.Connection[Any], schema: str) -> None:
+        self.conn = conn
+        self.q = queries(validate_schema_name(schema))
+
+    # -- endpoints -------------------------------------------------------------------------
+    def add(self, url: str, secret: str, *, description: str | None = None,
+            disable_after: int | None = None) -> int:
+        """Store an endpoint (validated: nothing is written on bad input); return its id."""
+        check_url(url)
+        check_secret(secret)
+        check_disable_after(disable_after)
+        if description is not None and (not isinstance(description, str)
+                                        or len(description) > 1000):
+            raise InvalidWebhookEndpoint("description must be a string of at most 1000 "
+                                         "characters")
+        row = self.conn.execute(self.q["webhook_endpoint_add"], {
+            "url": url, "secret": secret, "description": description,
+            "disable_after": disable_after}).fetchone()
+        assert row is not None
+        return int(row[0])
+
+    def exists(self, endpoint_id: Any) -> bool:
+        ident = check_endpoint_id(endpoint_id)
+        row = self.conn.execute(self.q["webhook_endpoint_exists"], {"id": ident}).fetchone()
+        return bool(row and row[0])
+
+    def for_delivery(self, endpoint_id: int) -> Endpoint | None:
+        row = self.conn.execute(self.q["webhook_endpoint_for_delivery"],
+                                {"id": int(endpoint_id)}).fetchone()
+        if row is None:
+            return None
+        return Endpoint(id=int(endpoint_id), url=row[0], secret=row[1], enabled=bool(row[2]))
+
+    def ls(self, *, after: Any = None, limit: int = 50) -> dict[str, Any]:
+        if not 1 <= int(limit) <= MAX_PAGE:
+            raise InvalidArgument(f"--limit must be between 1 and {MAX_PAGE}, got {limit}")
+        cursor = 0 if after in (None, "") else check_endpoint_id(after)
+        rows = _dicts(self.conn.execute(self.q["webhook_endpoint_ls"], {
+            "after": cursor, "id": None, "limit": int(limit) + 1}))
+        more = len(rows) > limit
+        rows = rows[:limit]
+        for r in rows:
+            r["secret"] = MASK
+        return {"items": rows, "next": str(rows[-1]["id"]) if more else None}
+
+    def show(self, endpoint_id: Any) -> dict[str, Any]:
+        ident = check_endpoint_id(endpoint_id)
+        rows = _dicts(self.conn.execute(self.q["webhook_endpoint_ls"], {
+            "after": 0, "id": ident, "limit": 1}))
+        if not rows:
+            raise WebhookEndpointNotFound(f"no webhook endpoint with id {ident}")
+        return {**rows[0], "secret": MASK}
+
+    def set_enabled(self, endpoint_id: Any, enabled: bool) -> dict[str, Any]:
+        """Enable (failure count back to 0) or disable (reason ``operator``) an endpoint."""
+        ident = check_endpoint_id(endpoint_id)
+        cur = self.conn.execute(self.q["webhook_endpoint_set_enabled"],
+                                {"id": ident, "enabled": bool(enabled)})
+        rows = _dicts(cur)
+        if not rows:
+            raise WebhookEndpointNotFound(f"no webhook endpoint with id {ident}")
+        return rows[0]
+
+    def set_secret(self, endpoint_id: Any, secret: str) -> dict[str, Any]:
+        """Rotate an endpoint's secret (checked like a new one; never echoed)."""
+        ident = check_endpoint_id(endpoint_id)
+        check_secret(secret)
+        row = self.conn.execute(self.q["webhook_endpoint_set_secret"],
+                                {"id": ident, "secret": secret}).fetchone()
+        if row is None:
+            raise WebhookEndpointNotFound(f"no webhook endpoint with id {ident}")
+        return self.show(ident)
+
+    # -- the ledger ------------------------------------------------------------------------
+    def record_attempt(self, attempt: Mapping[str, Any], *, effect: str,
+                       disable_after: int) -> dict[str, Any]:
+        """Write one attempt (keys: endpoint_id, event_id, event_type, task_id, attempt,
+        status, latency_ms, outcome, error, excerpt, location, retry_after, delay) and its
+        effect on the endpoint (``reset``, ``count`` or ``none``, see webhook_attempt_record).
+        Returns the ledger id, the next attempt's due time, and the endpoint's failure count
+        and state when they changed (``disabled_now``: this attempt disabled it)."""
+        if effect not in ("reset", "count", "none"):
+            raise ValueError(f"effect {effect!r}")
+        row = self.conn.execute(self.q["webhook_attempt_record"], {
+            **attempt, "effect": effect, "disable_after": int(disable_after)}).fetchone()
+        assert row is not None
+        return {"id": int(row[0]), "next_attempt_at": _plain(row[1]),
+                "consecutive_failures": row[2], "enabled": row[3], "disabled_now": bool(row[4])}
+
+    def attempts(self, endpoint_id: Any, *, before: Any = None,
+                 limit: int = 50) -> dict[str, Any]:
+        """An endpoint's attempts, newest first; ``next`` is the ``--before`` of the next
+        page."""
+        ident = check_endpoint_id(endpoint_id)
+        if not 1 <= int(limit) <= MAX_PAGE:
+            raise InvalidArgument(f"--limit must be between 1 and {MAX_PAGE}, got {limit}")
+        cursor = 0 if before in (None, "") else check_endpoint_id(before)
+        if not self.exists(ident):
+            raise WebhookEndpointNotFound(f"no webhook endpoint with id {ident}")
+        rows = _dicts(self.conn.execute(self.q["webhook_attempt_ls"], {
+            "endpoint_id": ident, "before": cursor, "limit": int(limit) + 1}))
+        more = len(rows) > limit
+        rows = rows[:limit]
+        return {"items": rows, "next": str(rows[-1]["id"]) if more else None}
+
+    def prune(self, cutoff: datetime, *, bound: int, batch: int,
+              dry_run: bool = False) -> dict[str, Any]:
+        """Delete ledger rows finished before ``cutoff``, ``batch`` per transaction, at most
+        ``bound`` in all."""
+        row = self.conn.execute(self.q["webhook_attempt_prune_count"],
+                                {"cutoff": cutoff}).fetchone()
+        matched = int(row[0]) if row else 0
+        deleted = 0
+        while not dry_run and deleted < bound:
+            got = self.conn.execute(self.q["webhook_attempt_prune"], {
+                "cutoff": cutoff, "limit": min(batch, bound - deleted)}).fetchone()
+            n = int(got[0]) if got else 0
+            deleted += n
+            if n == 0:
+                break
+        return {"cutoff": _plain(cutoff), "matched": matched, "deleted": deleted,
+                "remaining": matched - deleted}
+
