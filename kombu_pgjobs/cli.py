@@ -703,6 +703,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="print the exact counts only")
     p.add_argument("--batch", type=int, default=DEFAULT_BATCH, help="rows per transaction")
     p.add_argument("--limit", type=int, default=100_000, help="most rows per table per call")
+
+    from .relay_cli import register as register_outbox  # `relay`, `outbox` (issue 13)
+    register_outbox(sub, common, _add)
     return parser
 
 

@@ -45,8 +45,6 @@ __all__ = [
     "OutboxUnserializable",
     "PgJobsError",
     "PublishFailed",
-    "RelayLeaseLost",
-    "RelayPublishFailed",
     "SchemaTooNew",
     "StateConflict",
     "TenantMismatch",
@@ -320,16 +318,3 @@ class UnsupportedConnection(PgJobsError):
 
     code = "PGJ-514"
 
-
-class RelayPublishFailed(PgJobsError):
-    """The relay could not publish a staged message to the broker: it and the rest of its
-    transaction go back to the outbox and are tried again after a delay (logged, never lost)."""
-
-    code = "PGJ-515"
-
-
-class RelayLeaseLost(PgJobsError):
-    """The relay published rows whose lease had lapsed and been taken by another relay: they
-    may be published twice (at least once); marking them changed nothing (logged)."""
-
-    code = "PGJ-516"

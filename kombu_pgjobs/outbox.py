@@ -263,7 +263,7 @@ def _staged_row(producer: Any, body: Any, *, routing_key: str | None = None,
     if producer.auto_declare and producer.exchange.name and producer.exchange not in entities:
         entities.append(producer.exchange)
     return StagedRow(exchange_name or "", rkey or "",
-                     data if isinstance(data, bytes) else bytes(data), ctype, cenc,
+                     data.encode(cenc) if isinstance(data, str) else bytes(data), ctype, cenc,
                      _json(hdrs, "headers"), _json(props, "properties"),
                      _json([_entity(e) for e in entities], "declare entities"))
 

@@ -4,15 +4,13 @@ tests/test_outbox_relay.py).
 The broker is whatever PGJOBS_TEST_BROKER says (pgjobs:// in the same database, or Redis /
 RabbitMQ behind the relay); PGJOBS_TEST_QUEUE names the queue (a fresh one per test on a shared
 broker); PGJOBS_TEST_RESULT, when set, is a result backend (chords). Every body records its
-label in ``{schema}.pgjobs_test_run``, and, with its headers, in ``pgjobs_test_headers`` when
-asked, so tests count executions from the database.
+label in ``{schema}.pgjobs_test_run``, so tests count executions from the database.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from typing import Any
 
 from celery import Celery
 
@@ -50,11 +48,7 @@ def collect(labels: list[str], label: str) -> None:
     _record(f"{label}:{','.join(sorted(labels))}")
 
 
-@app.task(bind=True, name="headers")
-def headers(self: Any, label: str) -> None:
-    execute(f'INSERT INTO "{SCHEMA}".pgjobs_test_headers (label, tenant, key) '
-            "VALUES (%s, %s, %s)",
-            (label, (self.request.headers or {}).get("x-pgjobs-tenant")
-             or getattr(self.request, "x-pgjobs-tenant", None),
-             getattr(self.request, "x-pgjobs-idempotency-key", None)
-             or (self.request.headers or {}).get("x-pgjobs-idempotency-key")))
+@app.task(name="keyed", tenant=lambda label, org: org,
+          idempotency_key=lambda label, org: f"key-{label}")
+def keyed(label: str, *, org: str) -> None:
+    _record(f"keyed-{label}")

@@ -1,0 +1,205 @@
+"""The outbox with the broker elsewhere (issue 13, items 3-4): ``celery_ext.transaction()``
+stages messages in ``pgjobs_outbox`` in the app's transaction, and ``pgjobs relay`` processes
+publish them to Redis / RabbitMQ at least once, in order per transaction.
+
+Real Postgres, real Redis and RabbitMQ, real relay and worker processes, relays killed with
+SIGKILL; counts are read from the database the tasks write to.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import kombu
+import psycopg
+import pytest
+
+import celery_ext
+from kombu_pgjobs.core import IDEMPOTENCY_HEADER, TENANT_HEADER
+from kombu_pgjobs.errors import OutboxNotInstalled
+from kombu_pgjobs.relay import Relay
+from kombu_pgjobs.schema import migrate
+
+from .conftest import DSN, ROOT, wait_for
+from .test_outbox import _env, _load, _runs
+
+pytestmark = pytest.mark.e2e
+
+BROKERS = {
+    "redis": "redis://127.0.0.1:6379/5",
+    "amqp": "amqp://guest:guest@127.0.0.1:5672//",
+}
+APP = "tests.apps.outboxed"
+
+
+def _reachable(url: str) -> None:
+    """The broker must be up: under CI=true a missing one fails the test, never skips it."""
+    host, port = ("127.0.0.1", 6379) if url.startswith("redis") else ("127.0.0.1", 5672)
+    try:
+        socket.create_connection((host, port), timeout=3).close()
+    except OSError as exc:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{url.split(':')[0]} is required under CI=true: {exc}")
+        pytest.skip(f"{url} unreachable: {exc}")
+
+
+@pytest.fixture(params=sorted(BROKERS))
+def broker(request: Any, schema: str) -> Any:
+    url = BROKERS[request.param]
+    _reachable(url)
+    queue = f"outbox_{schema}"
+    yield url, queue
+    with kombu.Connection(url) as conn:  # the test's queue goes with it
+        try:
+            kombu.Queue(queue, channel=conn.default_channel).delete()
+        except Exception:  # never declared (the test failed early)
+            pass
+
+
+@pytest.fixture
+def app_db(db: psycopg.Connection[Any], recorder_tables: str) -> str:
+    migrate(db, recorder_tables)  # the outbox table (and the rest of the schema) in the app db
+    return recorder_tables
+
+
+def _relay(schema: str, broker: str, log: Path, *, batch: int, lease_ttl: float
+           ) -> subprocess.Popen[bytes]:
+    cmd = [sys.executable, "-m", "kombu_pgjobs.cli", "relay", "--dsn", DSN, "--schema", schema,
+           "--broker", broker, "--batch", str(batch), "--lease-ttl", str(lease_ttl),
+           "--poll-interval", "0.2", "--retry-delay", "0.5"]
+    with open(log, "ab") as fh:
+        return subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT,
+                                env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def _outbox(db: psycopg.Connection[Any], schema: str) -> tuple[int, int]:
+    row = db.execute(f'SELECT count(*) FILTER (WHERE published_at IS NULL), '
+                     f'count(*) FILTER (WHERE published_at IS NOT NULL) '
+                     f'FROM "{schema}".pgjobs_outbox').fetchone()
+    return int(row[0]), int(row[1])
+
+
+def _held_by(db: psycopg.Connection[Any], schema: str, pid: int) -> int:
+    return db.execute(
+        f'SELECT count(*) FROM "{schema}".pgjobs_outbox WHERE published_at IS NULL '
+        "AND lease_owner LIKE %s AND lease_expires_at > now()", (f"%:{pid}",)).fetchone()[0]
+
+
+@pytest.mark.slow
+def test_relay_two_relays_one_killed_twice_every_task_runs_at_least_once(
+        db, app_db, broker, start_worker, tmp_path):
+    schema = app_db
+    url, queue = broker
+    env = _env(schema, url, PGJOBS_TEST_QUEUE=queue)
+    mod = _load(schema, url, PGJOBS_TEST_QUEUE=queue)
+    n, per_txn, batch, lease = 2000, 50, 50, 2.0
+    with psycopg.connect(DSN) as conn:
+        for t in range(n // per_txn):
+            with conn.transaction(), celery_ext.transaction(conn) as block:
+                for i in range(per_txn):
+                    mod.record.delay(f"t{t * per_txn + i}")
+            assert block.staged == per_txn
+        with conn.transaction(force_rollback=True), celery_ext.transaction(conn):
+            for i in range(100):
+                mod.record.delay(f"rolled-back-{i}")
+    assert _outbox(db, schema) == (n, 0), "staged in the app db, the rolled back ones gone"
+
+    start_worker(app=APP, env=env, concurrency=8)
+    log = tmp_path / "relays.log"
+    relays = [_relay(schema, url, log, batch=batch, lease_ttl=lease)]
+    kills = 0
+    try:
+        for _ in range(2):  # SIGKILL relay A while it holds a claimed batch, twice
+            victim = relays[0]
+            wait_for(lambda v=victim: _held_by(db, schema, v.pid) > 0, 30, interval=0.005,
+                     what="relay A holding a batch")
+            victim.send_signal(signal.SIGKILL)
+            victim.wait(10)
+            kills += 1
+            assert _outbox(db, schema)[0] > 0, "killed mid-run"
+            if len(relays) == 1:
+                relays.append(_relay(schema, url, log, batch=batch, lease_ttl=lease))  # B
+            relays[0] = _relay(schema, url, log, batch=batch, lease_ttl=lease)  # A again
+        wait_for(lambda: _outbox(db, schema) == (0, n), 60, what="every staged row published")
+        wait_for(lambda: len([k for k in _runs(db, schema) if k.startswith("t")]) >= n, 90,
+                 what=f"{n} distinct tasks run")
+        time.sleep(1.0)  # let late duplicates land
+    finally:
+        for r in relays:
+            if r.poll() is None:
+                r.send_signal(signal.SIGTERM)
+        for r in relays:
+            try:
+                r.wait(15)
+            except subprocess.TimeoutExpired:
+                r.kill()
+    runs = _runs(db, schema)
+    labels = {k: v for k, v in runs.items() if k.startswith("t")}
+    assert set(labels) == {f"t{i}" for i in range(n)}, "every task ran at least once"
+    assert not [k for k in runs if k.startswith("rolled-back")], runs
+    duplicates = sum(labels.values()) - n
+    assert duplicates <= kills * batch, (duplicates, "bounded by the batch per kill")
+    relay_log = log.read_text(errors="replace")
+    assert "Traceback" not in relay_log, relay_log[-3000:]
+    print(f"relay {url.split(':')[0]}: {n} tasks, {kills} kills, {duplicates} duplicates")
+
+
+def test_headers_pass_through_staging_unchanged_and_order_per_transaction(
+        db, app_db, dsn):
+    """Tenant and idempotency headers reach the broker as celery_ext stamped them; a
+    transaction's messages are published in the order they were staged."""
+    _reachable(BROKERS["redis"])
+    schema = app_db
+    url = BROKERS["redis"]
+    queue = f"outbox_{schema}_h"
+    mod = _load(schema, url, PGJOBS_TEST_QUEUE=queue)
+    with psycopg.connect(DSN) as conn, conn.transaction(), celery_ext.transaction(conn):
+        mod.keyed.apply_async(("a",), kwargs={"org": "acme"})
+        for i in range(20):
+            mod.record.delay(f"o{i}")
+    staged = db.execute(
+        f'SELECT headers FROM "{schema}".pgjobs_outbox ORDER BY id LIMIT 1').fetchone()[0]
+    assert staged[TENANT_HEADER] == "acme" and staged[IDEMPOTENCY_HEADER] == "key-a"
+    relay = Relay(DSN, url, schema=schema, batch=7)
+    try:
+        while relay.run_once():
+            pass
+    finally:
+        relay.close()
+    assert _outbox(db, schema) == (0, 21)
+    got: list[Any] = []
+    with kombu.Connection(url) as conn:
+        q = conn.SimpleQueue(queue)
+        try:
+            for _ in range(21):
+                m = q.get(timeout=5)
+                got.append(m)
+                m.ack()
+        finally:
+            q.close()
+            kombu.Queue(queue, channel=conn.default_channel).delete()
+    first = got[0].headers
+    assert {k: first[k] for k in (TENANT_HEADER, IDEMPOTENCY_HEADER, "task")} == {
+        TENANT_HEADER: "acme", IDEMPOTENCY_HEADER: "key-a", "task": "keyed"}
+    assert {k: v for k, v in first.items()} == staged, "headers unchanged through staging"
+    order = [m.headers["argsrepr"] for m in got[1:]]
+    assert order == [f"('o{i}',)" for i in range(20)], "published in staging order"
+
+
+def test_outbox_missing_is_refused_with_a_code_and_the_transaction_survives(
+        db, recorder_tables):
+    schema = recorder_tables  # the test tables only: no pgjobs schema in this "app database"
+    mod = _load(schema, BROKERS["redis"])
+    with psycopg.connect(DSN) as conn, conn.transaction():
+        conn.execute(f'INSERT INTO "{schema}".pgjobs_test_run (label) VALUES (%s)', ("kept",))
+        with pytest.raises(OutboxNotInstalled) as err, celery_ext.transaction(conn):
+            mod.record.delay("nowhere")
+        assert err.value.code == "PGJ-511"
+    assert _runs(db, schema) == {"kept": 1}, "the app's transaction still committed"
