@@ -36,13 +36,18 @@ def _env(schema: str, url: str, **extra: str) -> dict[str, str]:
             **extra}
 
 
+_LOADED: list[Any] = []
+
+
 def _load(schema: str, url: str, **extra: str) -> Any:
     """tests/apps/outboxed.py imported for this test (to publish from this process)."""
     saved = dict(os.environ)
     os.environ.update(_env(schema, url, **extra))
     try:
         sys.modules.pop(APP, None)
-        return importlib.import_module(APP)
+        mod = importlib.import_module(APP)
+        _LOADED.append(mod)
+        return mod
     finally:
         os.environ.clear()
         os.environ.update(saved)
@@ -51,6 +56,21 @@ def _load(schema: str, url: str, **extra: str) -> Any:
 def _runs(db: psycopg.Connection[Any], schema: str) -> dict[str, int]:
     rows = db.execute(f'SELECT label, count(*) FROM "{schema}".pgjobs_test_run GROUP BY label')
     return dict(rows.fetchall())
+
+
+@pytest.fixture(autouse=True)
+def _results_released() -> Any:
+    """Chord results subscribed to the Redis result backend are released while the
+    interpreter still runs (their __del__ unsubscribes), not at its shutdown."""
+    yield
+    import gc
+
+    for mod in _LOADED:
+        pending = getattr(mod.app.backend, "_pending_results", None)
+        if pending is not None:
+            pending.concrete.clear()
+    _LOADED.clear()
+    gc.collect()
 
 
 def _drained(db: psycopg.Connection[Any], schema: str, app: Any, sentinel: str) -> dict[str, int]:
@@ -123,8 +143,9 @@ def test_sqlalchemy_session_rollback_never_runs_commit_runs_once(
     from sqlalchemy.orm import Session
 
     schema = orders
-    mod = _load(schema, url)
-    start_worker(app=APP, env=_env(schema, url), concurrency=2)
+    mod = _load(schema, url, PGJOBS_TEST_RESULT=REDIS_RESULT)
+    start_worker(app=APP, env=_env(schema, url, PGJOBS_TEST_RESULT=REDIS_RESULT),
+                 concurrency=2)
     engine = create_engine(DSN.replace("postgresql://", "postgresql+psycopg://"))
     try:
         with Session(engine) as session:
@@ -137,6 +158,8 @@ def test_sqlalchemy_session_rollback_never_runs_commit_runs_once(
                 session.execute(text(f'INSERT INTO "{schema}".orders VALUES (2)'))
                 with celery_ext.transaction(session):
                     mod.record.delay("sa-committed")
+                    chord([mod.record.s("sa-h1"), mod.record.s("sa-h2")],
+                          mod.collect.s("sa-callback")).delay()
         with engine.begin() as sa_conn:  # a Connection works the same way
             with celery_ext.transaction(sa_conn):
                 mod.record.delay("sa-connection")
@@ -148,6 +171,60 @@ def test_sqlalchemy_session_rollback_never_runs_commit_runs_once(
     runs = _drained(db, schema, mod, "sa-sentinel")
     assert "sa-rolled-back" not in runs and "sa-no-transaction" not in runs, runs
     assert runs.get("sa-committed") == 1 and runs.get("sa-connection") == 1, runs
+    assert runs.get("sa-h1") == 1 and runs.get("sa-h2") == 1, runs
+    wait_for(lambda: _runs(db, schema).get("sa-callback:sa-h1,sa-h2"), 30, what="callback")
+    assert _runs(db, schema)["sa-callback:sa-h1,sa-h2"] == 1
+
+
+def _django() -> Any:
+    """Django configured for the test database (psycopg 3 backend), once per process."""
+    django = pytest.importorskip("django")
+    from django.conf import settings
+
+    if not settings.configured:
+        info = psycopg.conninfo.conninfo_to_dict(DSN)
+        settings.configure(DATABASES={"default": {
+            "ENGINE": "django.db.backends.postgresql", "NAME": info.get("dbname", "test"),
+            "USER": info.get("user", "postgres"), "PASSWORD": info.get("password", ""),
+            "HOST": info.get("host", "127.0.0.1"), "PORT": info.get("port", "5432")}},
+            USE_TZ=True)
+        django.setup()
+    return django
+
+
+def test_django_atomic_rollback_never_runs_commit_runs_once_chord_once(
+        db, orders, url, start_worker):
+    _django()
+    from django.db import connection, transaction
+
+    schema = orders
+    mod = _load(schema, url, PGJOBS_TEST_RESULT=REDIS_RESULT)
+    start_worker(app=APP, env=_env(schema, url, PGJOBS_TEST_RESULT=REDIS_RESULT),
+                 concurrency=2)
+    try:
+        with pytest.raises(RuntimeError), transaction.atomic():
+            connection.cursor().execute(f'INSERT INTO "{schema}".orders VALUES (1)')
+            with celery_ext.transaction():
+                mod.record.delay("dj-rolled-back")
+            raise RuntimeError("the view failed after publishing")
+        with transaction.atomic():
+            connection.cursor().execute(f'INSERT INTO "{schema}".orders VALUES (2)')
+            with celery_ext.transaction():
+                mod.record.delay("dj-committed")
+                chord([mod.record.s("dj-h1"), mod.record.s("dj-h2")],
+                      mod.collect.s("dj-callback")).delay()
+        with pytest.raises(NotInTransaction), celery_ext.transaction():  # outside atomic()
+            mod.record.delay("dj-outside-atomic")
+    finally:
+        connection.close()
+    runs = _drained(db, schema, mod, "dj-sentinel")
+    assert not {k for k in runs if k in ("dj-rolled-back", "dj-outside-atomic")}, runs
+    assert runs.get("dj-committed") == 1, runs
+    assert runs.get("dj-h1") == 1 and runs.get("dj-h2") == 1, runs
+    wait_for(lambda: _runs(db, schema).get("dj-callback:dj-h1,dj-h2"), 30, what="callback")
+    assert _runs(db, schema)["dj-callback:dj-h1,dj-h2"] == 1
+    ids = [r[0] for r in db.execute(f'SELECT id FROM "{schema}".orders ORDER BY id')]
+    assert ids == [2]
 
 
 _KILLED = textwrap.dedent("""

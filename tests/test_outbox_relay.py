@@ -203,3 +203,14 @@ def test_outbox_missing_is_refused_with_a_code_and_the_transaction_survives(
             mod.record.delay("nowhere")
         assert err.value.code == "PGJ-511"
     assert _runs(db, schema) == {"kept": 1}, "the app's transaction still committed"
+
+
+def test_staging_needs_no_broker(db, app_db):
+    """A broker that is down when the app commits is no reason to lose or refuse the task:
+    staging touches only the app's database."""
+    schema = app_db
+    mod = _load(schema, "redis://127.0.0.1:1/0")  # nothing listens there
+    with psycopg.connect(DSN) as conn, conn.transaction(), celery_ext.transaction(conn):
+        mod.record.delay("broker-down")
+        mod.record.apply_async(("broker-down-later",), countdown=30)
+    assert _outbox(db, schema) == (2, 0)
