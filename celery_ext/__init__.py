@@ -46,12 +46,12 @@ from kombu_pgjobs.errors import InvalidTaskOption
 from .deadletter import on_task_failure
 from .idempotency import max_queued
 from .limits import check_app_limits
-from .outbox import transaction
+from .outbox import OutboxRelay, transaction
 from .retry import RULES, PgJobsTask
 from .state import add_app, installed
 from .tenant import check_tenant_required, current_tenant, tenant_required
 
-__all__ = ["RULES", "Task", "current_tenant", "install", "transaction"]
+__all__ = ["RULES", "OutboxRelay", "Task", "current_tenant", "install", "transaction"]
 
 #: the task base class (use as ``base=celery_ext.Task`` in apps that set their own base)
 Task = PgJobsTask

@@ -29,18 +29,22 @@ The staging schema (broker elsewhere) is ``schema=`` or the app setting
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import psycopg
-from celery import current_app
+from celery import bootsteps, current_app
 from celery._state import _get_active_apps
 
 from kombu_pgjobs import outbox
-from kombu_pgjobs.errors import NotInTransaction, UnsupportedConnection
+from kombu_pgjobs.database import conninfo_from_url
+from kombu_pgjobs.errors import ConfigurationError, NotInTransaction, UnsupportedConnection
+from kombu_pgjobs.options import TransportOptions
+from kombu_pgjobs.relay import Relay
 
-__all__ = ["hook_app", "psycopg_connection", "transaction"]
+__all__ = ["OutboxRelay", "hook_app", "psycopg_connection", "transaction"]
 
 #: the app setting naming the schema of the outbox table in the app's database
 SCHEMA_SETTING = "pgjobs_outbox_schema"
@@ -149,3 +153,47 @@ def transaction(conn: Any = None, *, schema: str | None = None, using: str | Non
         hook_app(each)
     with outbox.transaction(psy, schema=_schema(app, schema)) as block:
         yield block
+
+
+class OutboxRelay(bootsteps.StartStopStep):
+    """Opt-in worker bootstep: the worker runs an outbox relay in a thread, so an app whose
+    broker is elsewhere needs no separate ``pgjobs relay`` process::
+
+        app.conf.pgjobs_outbox_dsn = "postgresql://app@db/shop"   # the app's database
+        app.steps["worker"].add(celery_ext.OutboxRelay)
+
+    It publishes to the app's own broker (``pgjobs_outbox_broker`` to override) from the
+    staging schema (``pgjobs_outbox_schema``), ``pgjobs_outbox_relay_batch`` rows at a time
+    (default 100) under a ``pgjobs_outbox_relay_lease_ttl`` lease (default 30 s). Every worker
+    with the step relays; they share the table as separate ``pgjobs relay`` processes do."""
+
+    label = "pgjobs outbox relay"
+
+    def __init__(self, parent: Any, **kwargs: Any) -> None:
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        super().__init__(parent, **kwargs)
+
+    def start(self, parent: Any) -> None:
+        conf = parent.app.conf
+        dsn = conf.get("pgjobs_outbox_dsn")
+        if not dsn:
+            raise ConfigurationError(
+                "celery_ext.OutboxRelay needs app.conf.pgjobs_outbox_dsn: the app's database, "
+                "where celery_ext.transaction() stages messages")
+        broker = conf.get("pgjobs_outbox_broker") or \
+            parent.app.connection_for_write().as_uri(include_password=True)
+        relay = Relay(conninfo_from_url(dsn, TransportOptions()), broker,
+                      schema=_schema(parent.app, None),
+                      batch=conf.get("pgjobs_outbox_relay_batch") or 100,
+                      lease_ttl=conf.get("pgjobs_outbox_relay_lease_ttl") or 30.0)
+        self._stop.clear()
+        self._thread = threading.Thread(target=relay.run, args=(self._stop,),
+                                        name="pgjobs-outbox-relay", daemon=True)
+        self._thread.start()
+
+    def stop(self, parent: Any) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(10)
+            self._thread = None

@@ -71,15 +71,26 @@ def cmd_relay(args: argparse.Namespace) -> None:
 def prune(conninfo: str, schema: str, older_than: float, *, limit: int = 10_000) -> int:
     """Delete published outbox rows older than ``older_than`` seconds, in batches of
     ``limit``; the number deleted."""
-    total = 0
     with connect(conninfo, prepare=False) as conn:
-        while True:
-            row = conn.execute(queries(schema)["outbox_prune"],
-                               {"older": older_than, "limit": limit}).fetchone()
-            n = int(row[0]) if row else 0
-            total += n
-            if n < limit:
-                return total
+        return prune_published(conn, schema, older_than, limit=limit)["deleted"]
+
+
+def prune_published(conn: Any, schema: str, older_than: float, *, dry_run: bool = False,
+                    limit: int = 10_000) -> dict[str, int]:
+    """Published outbox rows older than ``older_than`` seconds: counted, and deleted in
+    batches of ``limit`` (each its own statement) unless ``dry_run``. Staged rows are never
+    touched. ``pgjobs prune`` and ``pgjobs outbox prune`` both run it."""
+    q = queries(schema)
+    row = conn.execute(q["outbox_prunable"], {"older": older_than}).fetchone()
+    matched = int(row[0]) if row else 0
+    deleted = 0
+    while not dry_run and deleted < matched:
+        got = conn.execute(q["outbox_prune"], {"older": older_than, "limit": limit}).fetchone()
+        n = int(got[0]) if got else 0
+        deleted += n
+        if n < limit:
+            break
+    return {"matched": matched, "deleted": deleted}
 
 
 def cmd_outbox_prune(args: argparse.Namespace) -> dict[str, Any]:

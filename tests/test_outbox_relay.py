@@ -214,3 +214,30 @@ def test_staging_needs_no_broker(db, app_db):
         mod.record.delay("broker-down")
         mod.record.apply_async(("broker-down-later",), countdown=30)
     assert _outbox(db, schema) == (2, 0)
+
+
+def test_worker_bootstep_relays_the_outbox(db, app_db, start_worker):
+    """``app.steps["worker"].add(celery_ext.OutboxRelay)``: the worker publishes what the app
+    staged, and runs it; no separate relay process."""
+    _reachable(BROKERS["redis"])
+    schema = app_db
+    url = BROKERS["redis"]
+    queue = f"outbox_{schema}_step"
+    env = _env(schema, url, PGJOBS_TEST_QUEUE=queue, PGJOBS_TEST_RELAY="1")
+    mod = _load(schema, url, PGJOBS_TEST_QUEUE=queue)
+    with psycopg.connect(DSN) as conn, conn.transaction(), celery_ext.transaction(conn):
+        for i in range(30):
+            mod.record.delay(f"step-{i}")
+    worker = start_worker(app=APP, env=env, concurrency=4)
+    try:
+        wait_for(lambda: len([k for k in _runs(db, schema) if k.startswith("step-")]) == 30,
+                 60, what="30 tasks relayed by the worker's bootstep and run")
+        assert _outbox(db, schema) == (0, 30)
+        with psycopg.connect(DSN) as conn, conn.transaction(), celery_ext.transaction(conn):
+            mod.record.delay("step-after-start")  # woken by the commit's NOTIFY
+        wait_for(lambda: _runs(db, schema).get("step-after-start"), 30, what="a later one")
+    finally:
+        worker.stop()
+        with kombu.Connection(url) as conn:
+            kombu.Queue(queue, channel=conn.default_channel).delete()
+    assert set(_runs(db, schema).values()) == {1}

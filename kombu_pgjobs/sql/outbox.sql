@@ -92,6 +92,11 @@ WITH gone AS (
 )
 SELECT count(*) FROM gone;
 
+-- name: outbox_prunable :one
+-- How many rows published more than %(older)s seconds ago a prune would delete.
+SELECT count(*) FROM {schema}.pgjobs_outbox
+ WHERE published_at < now() - make_interval(secs => %(older)s);
+
 -- name: outbox_counts :one
 -- Unpublished and published rows (the relay's and the CLI's view of the table).
 SELECT count(*) FILTER (WHERE published_at IS NULL),

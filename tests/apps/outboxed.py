@@ -29,6 +29,9 @@ conf = settings(task_default_queue=os.environ.get("PGJOBS_TEST_QUEUE", "celery")
 if not BROKER.startswith("pgjobs"):
     conf["broker_transport_options"] = {}
 app.conf.update(conf)
+if os.environ.get("PGJOBS_TEST_RELAY") == "1":  # the worker relays the outbox itself
+    app.conf.update(pgjobs_outbox_dsn=common.dsn(), pgjobs_outbox_relay_lease_ttl=5)
+    app.steps["worker"].add(celery_ext.OutboxRelay)
 
 
 def _record(label: str) -> None:
