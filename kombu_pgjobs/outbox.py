@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import psycopg
+from kombu import Exchange, Queue
 from psycopg import sql
 from psycopg.pq import TransactionStatus
 
@@ -203,8 +204,6 @@ def publish(producer: Any, body: Any, **kwargs: Any) -> Any:
 
 def _entity(entity: Any) -> dict[str, Any]:
     """A kombu Queue or Exchange as JSON (rebuilt by the relay to declare it)."""
-    from kombu import Exchange, Queue
-
     if isinstance(entity, Queue):
         d = entity.as_dict(recurse=True)
         d["bindings"] = [{"exchange": b.exchange.as_dict(recurse=True),

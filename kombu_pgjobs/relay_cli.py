@@ -9,6 +9,7 @@ import argparse
 import json
 import signal
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -56,7 +57,6 @@ def cmd_relay(args: argparse.Namespace) -> None:
     def after_batch(n: int) -> None:
         if retention is None or n:
             return
-        import time
         if time.monotonic() - last_prune[0] > 60:  # idle: prune at most once a minute
             last_prune[0] = time.monotonic()
             prune(relay.dsn, schema, retention)
