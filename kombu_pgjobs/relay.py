@@ -39,7 +39,7 @@ from kombu import Connection, Exchange, Queue, binding
 from psycopg import sql
 
 from .database import connect
-from .errors import ConfigurationError
+from .errors import ConfigurationError, DatabaseUnavailable
 from .events import log_event, one_line
 from .outbox import notify_channel
 from .schema import migrate
@@ -126,7 +126,6 @@ class Relay:
         self._db: psycopg.Connection[Any] | None = None
         self._broker: Connection | None = None
         self._producer: Any = None
-        self._poked = threading.Event()
 
     # -- connections ---------------------------------------------------------------------
     def _database(self) -> psycopg.Connection[Any]:
@@ -136,8 +135,6 @@ class Relay:
                 migrate(conn, self.schema)
             conn.execute(sql.SQL("LISTEN {}").format(
                 sql.Identifier(notify_channel(self.schema))))
-            # a NOTIFY that arrives while a claim or mark runs is not lost for wait()
-            conn.add_notify_handler(lambda _n: self._poked.set())
         return self._db
 
     def _producer_for(self) -> Any:
@@ -233,12 +230,10 @@ class Relay:
 
     # -- the loop ------------------------------------------------------------------------
     def wait(self, timeout: float) -> None:
-        """Until a staging transaction commits (NOTIFY) or ``timeout`` seconds."""
-        db = self._database()
-        if not self._poked.is_set():
-            for _ in db.notifies(timeout=timeout, stop_after=1):
-                pass
-        self._poked.clear()
+        """Until a staging transaction commits (NOTIFY) or ``timeout`` seconds. A NOTIFY that
+        arrived while a claim or mark ran is kept by psycopg and ends the wait at once."""
+        for _ in self._database().notifies(timeout=timeout, stop_after=1):
+            pass
 
     def run(self, stop: threading.Event | None = None,
             on_batch: Callable[[int], None] | None = None) -> None:
@@ -257,10 +252,11 @@ class Relay:
                     if n < self.batch:
                         self.wait(self.poll_interval)
                     backoff = 0.5
-                except psycopg.OperationalError as exc:
+                except (psycopg.OperationalError, DatabaseUnavailable) as exc:
                     log_event("pgjobs.relay.database_lost", error=one_line(exc))
                     if self._db is not None:
                         self._db.close()
+                        self._db = None
                     stop.wait(backoff)
                     backoff = min(backoff * 2, 10.0)
         finally:

@@ -241,3 +241,72 @@ def test_worker_bootstep_relays_the_outbox(db, app_db, start_worker):
         with kombu.Connection(url) as conn:
             kombu.Queue(queue, channel=conn.default_channel).delete()
     assert set(_runs(db, schema).values()) == {1}
+
+
+def test_relay_reconnects_after_its_backend_is_terminated(db, app_db):
+    """A terminated backend is an ordinary event: the relay reconnects by itself and goes on
+    publishing (rows it held come back when their lease lapses)."""
+    import threading
+
+    _reachable(BROKERS["redis"])
+    schema = app_db
+    url = BROKERS["redis"]
+    queue = f"outbox_{schema}_fault"
+    mod = _load(schema, url, PGJOBS_TEST_QUEUE=queue)
+
+    def stage(prefix: str) -> None:
+        with psycopg.connect(DSN) as conn, conn.transaction(), celery_ext.transaction(conn):
+            for i in range(10):
+                mod.record.delay(f"{prefix}-{i}")
+
+    relay = Relay(DSN, url, schema=schema, batch=5, lease_ttl=2, poll_interval=0.2)
+    stop = threading.Event()
+    thread = threading.Thread(target=relay.run, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        stage("before")
+        wait_for(lambda: _outbox(db, schema) == (0, 10), 20, what="the first 10 published")
+        killed = db.execute(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+            "WHERE pid <> pg_backend_pid() AND query LIKE %s", (f'%"{schema}"%',)).fetchone()[0]
+        assert killed >= 1, "the relay's backend was found and terminated"
+        stage("after")
+        wait_for(lambda: _outbox(db, schema) == (0, 20), 30, what="published after the fault")
+    finally:
+        stop.set()
+        thread.join(15)
+        with kombu.Connection(url) as conn:
+            kombu.Queue(queue, channel=conn.default_channel).delete()
+    assert not thread.is_alive()
+
+
+def test_an_idle_relay_is_woken_by_the_staging_commit(db, app_db):
+    """LISTEN/NOTIFY, not the poll: with a 30 s poll interval the row is published within a
+    few seconds of the commit."""
+    import threading
+
+    _reachable(BROKERS["redis"])
+    schema = app_db
+    url = BROKERS["redis"]
+    queue = f"outbox_{schema}_wake"
+    mod = _load(schema, url, PGJOBS_TEST_QUEUE=queue)
+    relay = Relay(DSN, url, schema=schema, poll_interval=30)
+    stop = threading.Event()
+    thread = threading.Thread(target=relay.run, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        time.sleep(1.0)  # the relay found nothing and waits on LISTEN
+        with psycopg.connect(DSN) as conn, conn.transaction(), celery_ext.transaction(conn):
+            mod.record.delay("wake")
+        committed = time.monotonic()
+        wait_for(lambda: _outbox(db, schema) == (0, 1), 10, interval=0.02,
+                 what="the staged row published after the NOTIFY")
+        assert time.monotonic() - committed < 10
+    finally:
+        stop.set()
+        with psycopg.connect(DSN) as conn, conn.transaction():
+            conn.execute("SELECT pg_notify(%s, '')", (f"pgjobs_outbox.{schema}",))  # end the wait
+        thread.join(15)
+        with kombu.Connection(url) as conn:
+            kombu.Queue(queue, channel=conn.default_channel).delete()
+    assert not thread.is_alive()
