@@ -310,3 +310,60 @@ def test_an_idle_relay_is_woken_by_the_staging_commit(db, app_db):
         with kombu.Connection(url) as conn:
             kombu.Queue(queue, channel=conn.default_channel).delete()
     assert not thread.is_alive()
+
+
+OTHER_DB = "pgjobs_test_outbox_other"
+
+
+@pytest.fixture
+def other_db(dsn: str, schema: str) -> Any:
+    """A second database on the same server: a pgjobs broker that is *not* the app's."""
+    info = psycopg.conninfo.conninfo_to_dict(dsn)
+    with psycopg.connect(dsn, autocommit=True) as admin:
+        if not admin.execute("SELECT 1 FROM pg_database WHERE datname = %s",
+                             (OTHER_DB,)).fetchone():
+            try:
+                admin.execute(f'CREATE DATABASE "{OTHER_DB}"')
+            except psycopg.errors.DuplicateDatabase:
+                pass  # another run made it meanwhile
+    other = psycopg.conninfo.make_conninfo(dsn, dbname=OTHER_DB)
+    url = (f"pgjobs://{info.get('user', 'postgres')}@{info.get('host', '127.0.0.1')}:"
+           f"{info.get('port', '5432')}/{OTHER_DB}")
+    yield other, url
+    with psycopg.connect(other, autocommit=True) as conn:
+        conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+
+
+def test_same_database_is_decided_by_the_server_not_the_url(db, app_db, other_db, url):
+    """The app connects through another address (a Unix socket / localhost) than the broker
+    URL names: still the same database, rows go straight to pgjobs_job. A pgjobs broker in
+    another database of the same server: staged, and the relay moves them there."""
+    schema = app_db
+    mod = _load(schema, url)  # broker: pgjobs on 127.0.0.1, this database
+    other, other_url = other_db
+    for app_dsn in (psycopg.conninfo.make_conninfo(DSN, host="localhost"),
+                    psycopg.conninfo.make_conninfo(DSN, host="/var/run/postgresql")):
+        if "/" in app_dsn and not os.path.exists("/var/run/postgresql"):
+            continue
+        with psycopg.connect(app_dsn) as conn, conn.transaction(), \
+                celery_ext.transaction(conn) as block:
+            mod.record.delay("same")
+        assert (block.written, block.staged) == (1, 0), app_dsn
+    assert db.execute(f'SELECT count(*) FROM "{schema}".pgjobs_job').fetchone()[0] >= 1
+    assert _outbox(db, schema) == (0, 0)
+
+    elsewhere = _load(schema, other_url)  # broker: pgjobs in the other database
+    with psycopg.connect(DSN) as conn, conn.transaction(), \
+            celery_ext.transaction(conn) as block:
+        elsewhere.record.delay("elsewhere")
+    assert (block.written, block.staged) == (1, 1)
+    relay = Relay(DSN, other_url, schema=schema,
+                  transport_options={"schema": schema})
+    try:
+        assert relay.run_once() == 1
+    finally:
+        relay.close()
+    with psycopg.connect(other) as conn:
+        got = conn.execute(f"""SELECT message->'headers'->>'argsrepr' FROM "{schema}".pgjobs_job"""
+                           ).fetchall()
+    assert got == [("('elsewhere',)",)]
