@@ -41,7 +41,13 @@ from kombu import Exchange, Queue
 from psycopg import sql
 from psycopg.pq import TransactionStatus
 
-from .errors import NotInTransaction, OutboxBypassed, OutboxNotInstalled, OutboxUnserializable
+from .errors import (
+    NotInTransaction,
+    OutboxBypassed,
+    OutboxNotInstalled,
+    OutboxUnserializable,
+    UnsupportedConnection,
+)
 from .options import validate_schema_name
 from .sql import queries
 
@@ -56,6 +62,9 @@ _ACTIVE: contextvars.ContextVar[Block | None] = contextvars.ContextVar(
     "pgjobs_outbox_block", default=None)
 #: server identity per connection (read once): (system identifier, database name)
 _IDENTITY: weakref.WeakKeyDictionary[Any, tuple[str, str]] = weakref.WeakKeyDictionary()
+#: the same, per pgjobs backend (its database, read on its publish connection)
+_BACKEND_IDENTITY: weakref.WeakKeyDictionary[Any, tuple[str, str]] = \
+    weakref.WeakKeyDictionary()
 #: connections on which the outbox table of a schema was found
 _INSTALLED: weakref.WeakKeyDictionary[Any, set[str]] = weakref.WeakKeyDictionary()
 
@@ -117,7 +126,7 @@ def transaction(conn: psycopg.Connection[Any], *, schema: str = "pgjobs") -> Ite
     first statement opens one, as the DB-API says); an autocommit connection outside
     ``conn.transaction()`` does not."""
     if not isinstance(conn, psycopg.Connection):
-        raise NotInTransaction(
+        raise UnsupportedConnection(
             f"transaction() takes a psycopg 3 connection, got {type(conn).__name__}")
     validate_schema_name(schema)
     _check_open(conn)
@@ -158,10 +167,9 @@ def _identity(conn: psycopg.Connection[Any]) -> tuple[str, str]:
 
 
 def _backend_identity(backend: Backend) -> tuple[str, str]:
-    got: tuple[str, str] | None = getattr(backend, "_outbox_identity", None)
+    got = _BACKEND_IDENTITY.get(backend)
     if got is None:
-        got = backend.publishing(_identity)
-        backend._outbox_identity = got  # type: ignore[attr-defined]
+        got = _BACKEND_IDENTITY[backend] = backend.publishing(_identity)
     return got
 
 

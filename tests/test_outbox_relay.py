@@ -367,3 +367,27 @@ def test_same_database_is_decided_by_the_server_not_the_url(db, app_db, other_db
         got = conn.execute(f"""SELECT message->'headers'->>'argsrepr' FROM "{schema}".pgjobs_job"""
                            ).fetchall()
     assert got == [("('elsewhere',)",)]
+
+
+def test_unstageable_and_bypassing_publishes_are_refused_with_codes(db, app_db, other_db):
+    """Headers that are not JSON (PGJ-512), and a kombu publish straight to a pgjobs broker on
+    another database inside a block (PGJ-513): refused where they are made, nothing written,
+    the app's transaction still usable."""
+    from kombu_pgjobs.errors import OutboxBypassed, OutboxUnserializable
+
+    schema = app_db
+    other, other_url = other_db
+    mod = _load(schema, BROKERS["redis"])
+    with psycopg.connect(DSN) as conn, conn.transaction():
+        with pytest.raises(OutboxUnserializable) as bad, celery_ext.transaction(conn):
+            mod.record.apply_async(("x",), headers={"not-json": object()})
+        assert bad.value.code == "PGJ-512"
+        with kombu.Connection(other_url, transport_options={"schema": schema}) as k:
+            with pytest.raises(OutboxBypassed) as bypass, celery_ext.transaction(conn):
+                k.Producer().publish({"n": 1}, routing_key="q")
+        assert bypass.value.code == "PGJ-513"
+        conn.execute(f'INSERT INTO "{schema}".pgjobs_test_run (label) VALUES (%s)', ("ok",))
+    assert _outbox(db, schema) == (0, 0)
+    assert _runs(db, schema) == {"ok": 1}
+    with psycopg.connect(other) as conn:
+        assert conn.execute(f'SELECT count(*) FROM "{schema}".pgjobs_job').fetchone()[0] == 0
