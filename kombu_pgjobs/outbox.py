@@ -87,11 +87,19 @@ class Block:
     written: int = 0
     #: of which staged in the outbox
     staged: int = 0
+    #: the block this one is nested in (None: outermost)
+    outer: Block | None = None
+    #: False once the block has exited: an asyncio task created inside it inherits the
+    #: context, and must not publish on the app's connection after the block is over
+    open: bool = True
 
 
 def active() -> Block | None:
     """The innermost open block of this thread / task, or None."""
-    return _ACTIVE.get()
+    block = _ACTIVE.get()
+    while block is not None and not block.open:
+        block = block.outer
+    return block
 
 
 def notify_channel(schema: str) -> str:
@@ -130,13 +138,14 @@ def transaction(conn: psycopg.Connection[Any], *, schema: str = "pgjobs") -> Ite
             f"transaction() takes a psycopg 3 connection, got {type(conn).__name__}")
     validate_schema_name(schema)
     _check_open(conn)
-    block = Block(conn, schema)
+    block = Block(conn, schema, outer=active())
     savepoint = sql.Identifier(f"pgjobs_outbox_{id(block):x}")
     conn.execute(sql.SQL("SAVEPOINT {}").format(savepoint), prepare=False)
     token = _ACTIVE.set(block)
     try:
         yield block
     except BaseException:
+        block.open = False
         _ACTIVE.reset(token)
         if not conn.closed and conn.info.transaction_status in (
                 TransactionStatus.INTRANS, TransactionStatus.INERROR):
@@ -148,6 +157,7 @@ def transaction(conn: psycopg.Connection[Any], *, schema: str = "pgjobs") -> Ite
             except psycopg.Error:
                 pass  # the transaction cannot commit anyway: nothing of the block survives
         raise
+    block.open = False
     _ACTIVE.reset(token)
     if conn.info.transaction_status == TransactionStatus.IDLE:
         raise NotInTransaction(
@@ -178,7 +188,7 @@ def connection_for(backend: Backend) -> psycopg.Connection[Any] | None:
     connection when it is on the backend's database (None outside a block). A block on
     another database never reaches the transport (:func:`publish` staged the message
     instead): a message that does was published past the outbox, and is refused."""
-    block = _ACTIVE.get()
+    block = active()
     if block is None:
         return None
     if _identity(block.conn) == _backend_identity(backend):
@@ -203,7 +213,7 @@ def publish(producer: Any, body: Any, **kwargs: Any) -> Any:
     """``producer.publish(body, **kwargs)``, in the open block's transaction if there is one:
     written by the pgjobs transport on the block's connection when the broker is that
     database, else staged in the outbox for the relay (returns None then)."""
-    block = _ACTIVE.get()
+    block = active()
     if block is None or _same_database(producer, block):
         return producer.publish(body, **kwargs)
     stage(block, [_staged_row(producer, body, **kwargs)])

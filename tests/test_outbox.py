@@ -299,3 +299,32 @@ def test_blocks_nest_and_are_per_context(db, orders, url):
                 t.join()
             assert _jobs(db, schema) == 1, "the other thread's task committed at once"
         assert _jobs(db, schema) == 2  # outer + other thread; inner rolled back
+
+
+def test_an_asyncio_task_started_in_a_block_does_not_publish_in_it_after_it(db, orders, url):
+    """asyncio tasks copy the context: one created inside the block sees it while the block
+    is open, and publishes on its own once the block has exited."""
+    import asyncio
+
+    schema = orders
+    mod = _load(schema, url)
+
+    async def main() -> None:
+        gate = asyncio.Event()
+
+        async def later() -> None:
+            await gate.wait()
+            mod.record.delay("after-the-block")  # the block is over: commits on its own
+
+        with psycopg.connect(DSN) as conn:
+            with conn.transaction(force_rollback=True), celery_ext.transaction(conn):
+                task = asyncio.get_running_loop().create_task(later())
+                mod.record.delay("in-the-block")
+            gate.set()
+            await task
+            conn.rollback()  # had it gone on the app's connection, it would be gone now
+
+    asyncio.run(main())
+    labels = [r[0] for r in db.execute(
+        f"""SELECT message->'headers'->>'argsrepr' FROM "{schema}".pgjobs_job""")]
+    assert labels == ["('after-the-block',)"]
