@@ -49,7 +49,7 @@ from .errors import (
     UnsupportedConnection,
 )
 from .options import validate_schema_name
-from .sql import queries
+from .sql import queries, raw_queries
 
 if TYPE_CHECKING:
     from .backend import Backend
@@ -67,13 +67,6 @@ _BACKEND_IDENTITY: weakref.WeakKeyDictionary[Any, tuple[str, str]] = \
     weakref.WeakKeyDictionary()
 #: connections on which the outbox table of a schema was found
 _INSTALLED: weakref.WeakKeyDictionary[Any, set[str]] = weakref.WeakKeyDictionary()
-
-_IDENTITY_QUERY = (
-    "SELECT CASE WHEN has_function_privilege('pg_control_system()', 'execute')"
-    " THEN (pg_control_system()).system_identifier::text"
-    " ELSE 'started ' || pg_postmaster_start_time()::text"
-    " || ' port ' || coalesce(inet_server_port()::text, 'local') END,"
-    " current_database()")
 
 
 @dataclass(eq=False)
@@ -170,7 +163,7 @@ def transaction(conn: psycopg.Connection[Any], *, schema: str = "pgjobs") -> Ite
 def _identity(conn: psycopg.Connection[Any]) -> tuple[str, str]:
     got = _IDENTITY.get(conn)
     if got is None:
-        row = conn.execute(_IDENTITY_QUERY, prepare=False).fetchone()
+        row = conn.execute(raw_queries()["outbox_identity"], prepare=False).fetchone()
         assert row is not None
         got = _IDENTITY[conn] = (str(row[0]), str(row[1]))
     return got

@@ -1,3 +1,14 @@
+-- name: outbox_identity :one
+-- Which server and database a connection is on, to tell whether an app's connection reaches
+-- the broker's database ("same database": the message row goes in the app's transaction).
+-- The cluster's system identifier; without the right to read it, the postmaster's start time
+-- and port, which two servers do not share either.
+SELECT CASE WHEN has_function_privilege('pg_control_system()', 'execute')
+            THEN (pg_control_system()).system_identifier::text
+            ELSE 'started ' || pg_postmaster_start_time()::text
+                 || ' port ' || coalesce(inet_server_port()::text, 'local') END,
+       current_database();
+
 -- name: outbox_stage :many
 -- Stage messages in the caller's transaction (one statement for one message or many), and
 -- queue the NOTIFY that wakes relays: Postgres delivers it when (and only if) that transaction
