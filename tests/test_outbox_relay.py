@@ -391,3 +391,33 @@ def test_unstageable_and_bypassing_publishes_are_refused_with_codes(db, app_db, 
     assert _runs(db, schema) == {"ok": 1}
     with psycopg.connect(other) as conn:
         assert conn.execute(f'SELECT count(*) FROM "{schema}".pgjobs_job').fetchone()[0] == 0
+
+
+def test_cli_status_prune_and_bad_relay_arguments(db, app_db, capsys):
+    """`pgjobs outbox status`, `pgjobs prune` / `pgjobs outbox prune` delete published rows
+    only, and `pgjobs relay` refuses bad numbers with a code (exit 2)."""
+    import json
+
+    from kombu_pgjobs.cli import main
+
+    schema = app_db
+    mod = _load(schema, BROKERS["redis"])
+    with psycopg.connect(DSN) as conn, conn.transaction(), celery_ext.transaction(conn):
+        for i in range(3):
+            mod.record.delay(f"p{i}")
+    db.execute(f'UPDATE "{schema}".pgjobs_outbox SET published_at = now() - interval \'2 days\' '
+               f'WHERE id IN (SELECT id FROM "{schema}".pgjobs_outbox ORDER BY id LIMIT 2)')
+    common = ["--dsn", DSN, "--schema", schema, "--json"]
+    assert main(["outbox", "status", *common]) == 0
+    assert json.loads(capsys.readouterr().out) == {"schema": schema, "staged": 1,
+                                                   "published": 2}
+    assert main(["prune", "--older-than", "7d", "--outbox-older-than", "1d", "--dry-run",
+                 *common]) == 0
+    assert json.loads(capsys.readouterr().out)["outbox"] == {"matched": 2, "deleted": 0}
+    assert main(["prune", "--older-than", "7d", "--outbox-older-than", "3d", *common]) == 0
+    assert json.loads(capsys.readouterr().out)["outbox"] == {"matched": 0, "deleted": 0}
+    assert main(["outbox", "prune", "--older-than", "1d", *common]) == 0
+    assert json.loads(capsys.readouterr().out)["deleted"] == 2
+    assert _outbox(db, schema) == (1, 0), "the staged row is never pruned"
+    assert main(["relay", "--broker", BROKERS["redis"], "--batch", "0", *common]) == 2
+    assert json.loads(capsys.readouterr().out)["error"]["code"] == "PGJ-405"
