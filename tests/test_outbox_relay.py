@@ -116,10 +116,12 @@ def test_relay_two_relays_one_killed_twice_every_task_runs_at_least_once(
     relays = [_relay(schema, url, log, batch=batch, lease_ttl=lease)]
     kills = 0
     try:
-        for _ in range(2):  # SIGKILL relay A while it holds a claimed batch, twice
+        for _ in range(2):  # SIGKILL relay A mid-run while it holds a claimed batch, twice
             victim = relays[0]
-            wait_for(lambda v=victim: _held_by(db, schema, v.pid) > 0, 30, interval=0.005,
-                     what="relay A holding a batch")
+            floor = _outbox(db, schema)[1] + 4 * batch  # once it is publishing at full speed
+            wait_for(lambda v=victim, f=floor: _outbox(db, schema)[1] >= f
+                     and _held_by(db, schema, v.pid) > 0, 30, interval=0.002,
+                     what="relay A publishing, holding a batch")
             victim.send_signal(signal.SIGKILL)
             victim.wait(10)
             kills += 1
@@ -145,6 +147,13 @@ def test_relay_two_relays_one_killed_twice_every_task_runs_at_least_once(
     assert set(labels) == {f"t{i}" for i in range(n)}, "every task ran at least once"
     assert not [k for k in runs if k.startswith("rolled-back")], runs
     duplicates = sum(labels.values()) - n
+    overtaken = db.execute(  # per-transaction order held across two relays and two kills
+        f'SELECT count(*) FROM "{schema}".pgjobs_outbox AS o WHERE EXISTS (SELECT 1 FROM '
+        f'"{schema}".pgjobs_outbox AS e WHERE e.txid = o.txid AND e.id < o.id '
+        "AND e.published_at > o.published_at)").fetchone()[0]
+    assert overtaken == 0
+    assert db.execute(f'SELECT count(DISTINCT lease_owner) FROM "{schema}".pgjobs_outbox'
+                      ).fetchone()[0] == 0, "marked rows hold no lease"
     assert duplicates <= kills * batch, (duplicates, "bounded by the batch per kill")
     relay_log = log.read_text(errors="replace")
     assert "Traceback" not in relay_log, relay_log[-3000:]
