@@ -22,7 +22,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import psycopg
 
@@ -251,11 +251,12 @@ class Backend:
         transaction) and return True; False outside a block. A guarded write (it may be
         refused by a tenant cap) runs in a savepoint, so a refusal leaves the app's
         transaction usable."""
-        conn = outbox_connection(self)
-        if conn is None:
+        app_conn = outbox_connection(self)
+        if app_conn is None:
             return False
+        conn = cast("psycopg.Connection[Any]", app_conn)  # what the core uses of one
         if guarded:
-            with conn.transaction():
+            with app_conn.transaction():
                 fn(conn)
         else:
             fn(conn)

@@ -40,6 +40,7 @@ import psycopg
 from kombu import Exchange, Queue
 from psycopg import sql
 from psycopg.pq import TransactionStatus
+from psycopg.rows import tuple_row
 
 from .errors import (
     NotInTransaction,
@@ -163,7 +164,7 @@ def transaction(conn: psycopg.Connection[Any], *, schema: str = "pgjobs") -> Ite
 def _identity(conn: psycopg.Connection[Any]) -> tuple[str, str]:
     got = _IDENTITY.get(conn)
     if got is None:
-        row = conn.execute(raw_queries()["outbox_identity"], prepare=False).fetchone()
+        row = _run(conn, raw_queries()["outbox_identity"], prepare=False).fetchone()
         assert row is not None
         got = _IDENTITY[conn] = (str(row[0]), str(row[1]))
     return got
@@ -176,7 +177,32 @@ def _backend_identity(backend: Backend) -> tuple[str, str]:
     return got
 
 
-def connection_for(backend: Backend) -> psycopg.Connection[Any] | None:
+def _run(conn: psycopg.Connection[Any], query: Any, params: Any = None, *,
+         prepare: bool | None = None) -> psycopg.Cursor[Any]:
+    """A statement on the app's connection whose rows are tuples, with server-side binding,
+    whatever row or cursor factory the app gave its connection (``dict_row``,
+    ``ClientCursor``)."""
+    return psycopg.Cursor(conn, row_factory=tuple_row).execute(query, params, prepare=prepare)
+
+
+class AppConnection:
+    """The app's connection as the queue core uses it (``execute`` returning tuple rows, see
+    :func:`_run`; ``transaction`` for a savepoint)."""
+
+    __slots__ = ("__weakref__", "conn")
+
+    def __init__(self, conn: psycopg.Connection[Any]) -> None:
+        self.conn = conn
+
+    def execute(self, query: Any, params: Any = None, *,
+                prepare: bool | None = None) -> psycopg.Cursor[Any]:
+        return _run(self.conn, query, params, prepare=prepare)
+
+    def transaction(self) -> Any:
+        return self.conn.transaction()
+
+
+def connection_for(backend: Backend) -> AppConnection | None:
     """The connection a pgjobs transport publishes on inside an open block: the block's own
     connection when it is on the backend's database (None outside a block). A block on
     another database never reaches the transport (:func:`publish` staged the message
@@ -186,7 +212,7 @@ def connection_for(backend: Backend) -> psycopg.Connection[Any] | None:
         return None
     if _identity(block.conn) == _backend_identity(backend):
         block.written += 1
-        return block.conn
+        return AppConnection(block.conn)
     raise OutboxBypassed(
         "a pgjobs broker on another database than the transaction() block's connection was "
         "published to directly: publish through kombu_pgjobs.outbox.publish() (Celery: "
@@ -283,15 +309,15 @@ def stage(block: Block, rows: Sequence[StagedRow]) -> list[int]:
     conn = block.conn
     installed = _INSTALLED.setdefault(conn, set())
     if block.schema not in installed:
-        row = conn.execute("SELECT to_regclass(%s) IS NOT NULL",
-                           (f'"{block.schema}".pgjobs_outbox',), prepare=False).fetchone()
+        row = _run(conn, "SELECT to_regclass(%s) IS NOT NULL",
+                   (f'"{block.schema}".pgjobs_outbox',), prepare=False).fetchone()
         if not row or not row[0]:
             raise OutboxNotInstalled(
                 f"the outbox table {block.schema}.pgjobs_outbox is not in the app's database: "
                 f"run `pgjobs migrate --dsn APP_DB --schema {block.schema}` (nothing was "
                 "written)")
         installed.add(block.schema)
-    got = conn.execute(queries(block.schema)["outbox_stage"], {
+    got = _run(conn, queries(block.schema)["outbox_stage"], {
         "exchange": [r.exchange for r in rows], "routing_key": [r.routing_key for r in rows],
         "body": [r.body for r in rows], "content_type": [r.content_type for r in rows],
         "content_encoding": [r.content_encoding for r in rows],

@@ -328,3 +328,22 @@ def test_an_asyncio_task_started_in_a_block_does_not_publish_in_it_after_it(db, 
     labels = [r[0] for r in db.execute(
         f"""SELECT message->'headers'->>'argsrepr' FROM "{schema}".pgjobs_job""")]
     assert labels == ["('after-the-block',)"]
+
+
+def test_app_connections_with_their_own_row_and_cursor_factories(db, orders, url):
+    """An app's connection made with row_factory=dict_row or cursor_factory=ClientCursor
+    publishes the same (the outbox runs its statements with its own cursor)."""
+    from psycopg.rows import dict_row
+
+    schema = orders
+    mod = _load(schema, url)
+    ids = []
+    for kwargs in ({"row_factory": dict_row}, {"cursor_factory": psycopg.ClientCursor}):
+        with psycopg.connect(DSN, **kwargs) as conn, conn.transaction(), \
+                celery_ext.transaction(conn):
+            mod.record.delay("plain")
+            # the guarded statement; the second and third are duplicates of the first
+            ids.append(mod.keyed.apply_async(("k",), kwargs={"org": "acme"}).id)
+            ids.append(mod.keyed.apply_async(("k",), kwargs={"org": "acme"}).id)
+    assert len(set(ids)) == 1, "duplicates answer with the holder's task id"
+    assert _jobs(db, schema) == 3  # two plain, one keyed
