@@ -440,3 +440,27 @@ def test_cli_status_prune_and_bad_relay_arguments(db, app_db, capsys):
     assert _outbox(db, schema) == (1, 0), "the staged row is never pruned"
     assert main(["relay", "--broker", BROKERS["redis"], "--batch", "0", *common]) == 2
     assert json.loads(capsys.readouterr().out)["error"]["code"] == "PGJ-405"
+
+
+def test_relay_prune_after_deletes_old_published_rows_when_idle(db, app_db, tmp_path):
+    schema = app_db
+    url = BROKERS["redis"]
+    _reachable(url)
+    queue = f"outbox_{schema}_prune"
+    mod = _load(schema, url, PGJOBS_TEST_QUEUE=queue)
+    with psycopg.connect(DSN) as conn, conn.transaction(), celery_ext.transaction(conn):
+        for i in range(3):
+            mod.record.delay(f"pr{i}")
+    db.execute(f'UPDATE "{schema}".pgjobs_outbox SET published_at = now() - interval \'2 hours\' '
+               f'WHERE id = (SELECT min(id) FROM "{schema}".pgjobs_outbox)')
+    cmd = [sys.executable, "-m", "kombu_pgjobs.cli", "relay", "--dsn", DSN, "--schema", schema,
+           "--broker", url, "--poll-interval", "0.2", "--prune-after", "1h"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:  # the two fresh rows are published and kept; the old published one is pruned
+        wait_for(lambda: _outbox(db, schema) == (0, 2), 30, what="publish, then prune")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(15) == 0, "SIGTERM ends the relay cleanly"
+        with kombu.Connection(url) as conn:
+            kombu.Queue(queue, channel=conn.default_channel).delete()
