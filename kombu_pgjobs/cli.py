@@ -544,28 +544,17 @@ def cmd_metrics(args: argparse.Namespace) -> Any:
 
 def cmd_prune(args: argparse.Namespace) -> dict[str, Any]:
     """Retention: delete old dead letters and roll old counter buckets up, in bounded batches."""
-    from .admin import parse_duration
-    from .relay_cli import prune_published
-
     with _admin(args) as admin:
-        result = admin.prune(args.older_than, counters_older_than=args.counters_older_than,
-                             dry_run=args.dry_run, limit=args.limit, batch=args.batch)
-        result["outbox"] = prune_published(  # published outbox rows (issue 13)
-            admin.conn, args.schema, parse_duration(args.outbox_older_than or args.older_than),
-            dry_run=args.dry_run, limit=args.batch)
-        return result
+        return admin.prune(args.older_than, counters_older_than=args.counters_older_than,
+                           dry_run=args.dry_run, limit=args.limit, batch=args.batch)
 
 
 def _render_prune(r: dict[str, Any]) -> str:
     d, c = r["dead_letters"], r["counter_buckets"]
     if r["dry_run"]:
         return (f"would delete {d['matched']} dead letters (died before {_ts(d['cutoff'])}) and "
-                f"roll up {c['matched']} counter buckets (before {_ts(c['cutoff'])}) (dry run)"
-                + (f"; would delete {r['outbox']['matched']} published outbox rows"
-                   if "outbox" in r else ""))
+                f"roll up {c['matched']} counter buckets (before {_ts(c['cutoff'])}) (dry run)")
     text = (f"deleted {d['deleted']} dead letters, rolled up {c['folded']} counter buckets")
-    if "outbox" in r:
-        text += f", deleted {r['outbox']['deleted']} published outbox rows"
     if d["remaining"] or c["remaining"]:
         text += f"; remaining {d['remaining']} dead letters, {c['remaining']} buckets: run again"
     return text
@@ -714,9 +703,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="print the exact counts only")
     p.add_argument("--batch", type=int, default=DEFAULT_BATCH, help="rows per transaction")
     p.add_argument("--limit", type=int, default=100_000, help="most rows per table per call")
-    p.add_argument("--outbox-older-than", metavar="DURATION",
-                   help="delete outbox rows published more than this ago "
-                        "(default: --older-than)")
 
     from .relay_cli import register as register_outbox  # `relay`, `outbox` (issue 13)
     register_outbox(sub, common, _add)

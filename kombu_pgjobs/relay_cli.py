@@ -113,9 +113,41 @@ def cmd_outbox_status(args: argparse.Namespace) -> dict[str, Any]:
     return {"schema": args.schema, "staged": staged, "published": published}
 
 
+def _pruning(func: Callable[[argparse.Namespace], Any],
+             render: Callable[[Any], str]) -> tuple[Callable[..., Any], Callable[..., str]]:
+    """``pgjobs prune`` that also deletes outbox rows published more than
+    ``--outbox-older-than`` ago (default: ``--older-than``), with the same --batch and
+    --dry-run."""
+
+    def cmd(args: argparse.Namespace) -> Any:
+        from .cli import _dsn
+
+        result = func(args)
+        older = parse_duration(args.outbox_older_than or args.older_than)
+        with connect(_dsn(args), prepare=False) as conn:
+            result["outbox"] = prune_published(conn, validate_schema_name(args.schema), older,
+                                               dry_run=args.dry_run, limit=args.batch)
+        return result
+
+    def show(result: dict[str, Any]) -> str:
+        outbox = result["outbox"]
+        if result["dry_run"]:
+            return render(result) + f"\nwould delete {outbox['matched']} published outbox rows"
+        return render(result) + f"\ndeleted {outbox['deleted']} published outbox rows"
+
+    return cmd, show
+
+
 def register(sub: Any, common: argparse.ArgumentParser,
              add: Callable[..., argparse.ArgumentParser]) -> None:
-    """Add ``relay`` and ``outbox {status,prune}`` to the ``pgjobs`` parser."""
+    """Add ``relay`` and ``outbox {status,prune}`` to the ``pgjobs`` parser, and the published
+    outbox rows to ``pgjobs prune``."""
+    prune = sub.choices["prune"]
+    prune.add_argument("--outbox-older-than", metavar="DURATION",
+                       help="delete outbox rows published more than this ago "
+                            "(default: --older-than)")
+    func, render = _pruning(prune.get_default("func"), prune.get_default("render"))
+    prune.set_defaults(func=func, render=render)
     p = add(sub, "relay", cmd_relay, str, common)
     p.add_argument("--broker", required=True, metavar="URL",
                    help="the broker to publish to (redis://, amqp://, pgjobs://)")
