@@ -347,3 +347,21 @@ def test_app_connections_with_their_own_row_and_cursor_factories(db, orders, url
             ids.append(mod.keyed.apply_async(("k",), kwargs={"org": "acme"}).id)
     assert len(set(ids)) == 1, "duplicates answer with the holder's task id"
     assert _jobs(db, schema) == 3  # two plain, one keyed
+
+
+def test_a_schema_migrated_past_0008_without_it_gets_the_outbox_on_connect(db, schema, url):
+    """Migration numbers are handed out ahead and merged out of order: a schema at a later
+    version that lacks 0008 counts as behind, and the transport's auto-migrate adds it."""
+    import kombu
+
+    from kombu_pgjobs.schema import current_version, latest_version
+
+    migrate(db, schema)
+    db.execute(f'DROP TABLE "{schema}".pgjobs_outbox')
+    db.execute(f'DELETE FROM "{schema}".pgjobs_migration WHERE version = 8')
+    assert current_version(db, schema) == 7 < latest_version()
+    with kombu.Connection(url, transport_options={"schema": schema}) as conn:
+        conn.connect()
+    assert current_version(db, schema) == latest_version()
+    assert db.execute("SELECT to_regclass(%s) IS NOT NULL",
+                      (f'"{schema}".pgjobs_outbox',)).fetchone()[0]
