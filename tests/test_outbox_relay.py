@@ -464,3 +464,45 @@ def test_relay_prune_after_deletes_old_published_rows_when_idle(db, app_db, tmp_
         assert proc.wait(15) == 0, "SIGTERM ends the relay cleanly"
         with kombu.Connection(url) as conn:
             kombu.Queue(queue, channel=conn.default_channel).delete()
+
+
+def test_a_broker_that_is_down_leaves_the_rows_for_later_in_order(db, app_db, caplog):
+    """The relay cannot reach the broker: the rows go back with the error recorded
+    (PGJ-515) and are published, in order, once the retry delay passed and a broker answers."""
+    _reachable(BROKERS["redis"])
+    schema = app_db
+    queue = f"outbox_{schema}_down"
+    mod = _load(schema, BROKERS["redis"], PGJOBS_TEST_QUEUE=queue)
+    with psycopg.connect(DSN) as conn, conn.transaction(), celery_ext.transaction(conn):
+        for i in range(5):
+            mod.record.delay(f"d{i}")
+    down = Relay(DSN, "redis://127.0.0.1:1/0", schema=schema, retry_delay=1.0)
+    try:
+        assert down.run_once() == 0
+    finally:
+        down.close()
+    rows = db.execute(f'SELECT attempts, last_error IS NOT NULL, lease_owner, '
+                      f'lease_expires_at > now() FROM "{schema}".pgjobs_outbox ORDER BY id'
+                      ).fetchall()
+    assert rows[0] == (1, True, None, True), "the failed row: error kept, back after a delay"
+    assert all(r[1:] == (False, None, True) for r in rows[1:]), "the rest wait behind it"
+    assert "PGJ-515" in caplog.text
+    up = Relay(DSN, BROKERS["redis"], schema=schema)
+    try:
+        assert up.run_once() == 0, "not before the retry delay"
+        time.sleep(1.2)
+        assert up.run_once() == 5
+    finally:
+        up.close()
+    got = []
+    with kombu.Connection(BROKERS["redis"]) as conn:
+        q = conn.SimpleQueue(queue)
+        try:
+            for _ in range(5):
+                m = q.get(timeout=5)
+                got.append(m.headers["argsrepr"])
+                m.ack()
+        finally:
+            q.close()
+            kombu.Queue(queue, channel=conn.default_channel).delete()
+    assert got == [f"('d{i}',)" for i in range(5)]
