@@ -26,6 +26,9 @@
   ``pgjobs_tenant_max_queued = N`` refuses a publish that would give a tenant more than N live
   messages (``TenantQueueFull``, ``PGJ-506``). See :mod:`celery_ext.idempotency`.
 
+``with celery_ext.transaction(conn):`` publishes the block's tasks in the app's own transaction
+(the transactional outbox): see :mod:`celery_ext.outbox` and docs/outbox.md.
+
 A task with its own base class gets the same by deriving it from :class:`celery_ext.Task`.
 """
 
@@ -43,11 +46,12 @@ from kombu_pgjobs.errors import InvalidTaskOption
 from .deadletter import on_task_failure
 from .idempotency import max_queued
 from .limits import check_app_limits
+from .outbox import OutboxRelay, transaction
 from .retry import RULES, PgJobsTask
 from .state import add_app, installed
 from .tenant import check_tenant_required, current_tenant, tenant_required
 
-__all__ = ["RULES", "Task", "current_tenant", "install"]
+__all__ = ["RULES", "OutboxRelay", "Task", "current_tenant", "install", "transaction"]
 
 #: the task base class (use as ``base=celery_ext.Task`` in apps that set their own base)
 Task = PgJobsTask

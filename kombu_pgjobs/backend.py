@@ -22,7 +22,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import psycopg
 
@@ -38,6 +38,7 @@ from .errors import (
 )
 from .events import log_event, one_line
 from .options import TransportOptions
+from .outbox import connection_for as outbox_connection
 from .schema import current_version as schema_version
 from .schema import latest_version, migrate
 from .unconfirmed import Unconfirmed
@@ -233,7 +234,13 @@ class Backend:
         A guarded message (an idempotency key or a tenant queue cap) is always confirmed,
         whatever ``confirm_publish`` says: its outcome (inserted, or the holder of its key;
         refused by the cap) is what the publisher acts on, so it must be known at return
-        (:func:`kombu_pgjobs.core.take_publish_outcome`)."""
+        (:func:`kombu_pgjobs.core.take_publish_outcome`).
+
+        Inside an outbox ``transaction()`` block on this database the row is written on the
+        block's connection, in the app's transaction (:meth:`in_caller_transaction`)."""
+        if self.in_caller_transaction(lambda conn: self.core.publish(conn, job),
+                                      guarded=job.guarded):
+            return
         held = pending(self)
         if held is not None:  # inside kombu_pgjobs.batch(): inserted when the block exits
             held.append(job)
@@ -253,6 +260,23 @@ class Backend:
             if unconfirmed.broken:
                 # taken, sent or not: it goes again, first, on the next connection
                 self._drop_publish_connection()
+
+    def in_caller_transaction(self, fn: Callable[[psycopg.Connection[Any]], Any], *,
+                              guarded: bool = False) -> bool:
+        """Run the message write ``fn`` on the open outbox block's connection (the app's
+        transaction) and return True; False outside a block. A guarded write (it may be
+        refused by a tenant cap) runs in a savepoint, so a refusal leaves the app's
+        transaction usable."""
+        app_conn = outbox_connection(self)
+        if app_conn is None:
+            return False
+        conn = cast("psycopg.Connection[Any]", app_conn)  # what the core uses of one
+        if guarded:
+            with app_conn.transaction():
+                fn(conn)
+        else:
+            fn(conn)
+        return True
 
     def confirm_publishes(self, timeout: float | None = None) -> None:
         """Wait until PostgreSQL confirmed every publish this process sent unconfirmed

@@ -709,6 +709,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .webhooks_cli import register as register_webhooks  # its module imports this one
     register_webhooks(sub, common, _add)
+    from .relay_cli import register as register_outbox  # `relay`, `outbox` (issue 13)
+    register_outbox(sub, common, _add)
     return parser
 
 

@@ -44,6 +44,10 @@ __all__ = [
     "MessageError",
     "MigrationError",
     "NotFound",
+    "NotInTransaction",
+    "OutboxBypassed",
+    "OutboxNotInstalled",
+    "OutboxUnserializable",
     "PgJobsError",
     "PublishFailed",
     "SchemaTooNew",
@@ -52,6 +56,7 @@ __all__ = [
     "TenantRequired",
     "UnknownQueue",
     "UnknownState",
+    "UnsupportedConnection",
     "UsageError",
     "WebhookEndpointDisabled",
     "WebhookEndpointNotFound",
@@ -355,3 +360,44 @@ def all_error_classes() -> list[type[PgJobsError]]:
         seen.append(cls)
         stack.extend(cls.__subclasses__())
     return seen
+
+
+# -- the transactional outbox (issue 13): PGJ-510..529 ----------------------------------------
+class NotInTransaction(PgJobsError):
+    """A transaction() block was opened on a connection that is not in a usable transaction
+    (autocommit with none open, a failed one, a closed connection), or the transaction ended
+    inside the block: open the transaction first and end it after the block. Nothing was
+    written."""
+
+    code = "PGJ-510"
+
+
+class OutboxNotInstalled(PgJobsError):
+    """The outbox table is not in the app's database: run ``pgjobs migrate --dsn APP_DB``
+    (with the schema the app stages into). Nothing was written."""
+
+    code = "PGJ-511"
+
+
+class OutboxUnserializable(PgJobsError):
+    """A message published in a transaction() block for a broker elsewhere has properties,
+    headers or declarations that cannot be stored as JSON for the relay. Nothing was written."""
+
+    code = "PGJ-512"
+
+
+class OutboxBypassed(PgJobsError):
+    """A message reached a pgjobs broker on another database directly inside a transaction()
+    block: it would commit on its own, outside the app's transaction. Publish through
+    ``kombu_pgjobs.outbox.publish()`` or ``celery_ext.transaction()``. Nothing was written."""
+
+    code = "PGJ-513"
+
+
+class UnsupportedConnection(PgJobsError):
+    """``celery_ext.transaction(conn)`` was given something it cannot publish through: it takes
+    a psycopg 3 connection, a SQLAlchemy Session or Connection on psycopg 3, or (no argument)
+    Django's connection inside ``transaction.atomic()``."""
+
+    code = "PGJ-514"
+

@@ -74,3 +74,18 @@ def log_event(name: str, level: int = logging.WARNING, **fields: Any) -> None:
     log.log(level, "%s [%s] %s %s", name, code, meaning,
             " ".join(f"{k}={v}" for k, v in fields.items()),
             extra={"action": name, "code": code, **fields})
+
+# the outbox relay (issue 13)
+EVENTS.update({
+    "pgjobs.relay.publish_failed": (
+        "PGJ-515", "the outbox relay could not publish a staged message to the broker (after "
+        "kombu's retries): it and the rest of its batch go back to the outbox and are tried "
+        "again after the retry delay; nothing is lost"),
+    "pgjobs.relay.lease_lost": (
+        "PGJ-516", "the outbox relay published rows whose lease had lapsed and been re-claimed "
+        "by another relay: they may reach the broker twice (at least once); marking them "
+        "changed nothing"),
+    "pgjobs.relay.database_lost": (
+        "PGJ-517", "the outbox relay lost the app database: it reconnects after a backoff; "
+        "claimed rows it did not mark come back when their lease lapses"),
+})

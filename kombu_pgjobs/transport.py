@@ -144,7 +144,9 @@ class Channel(virtual.Channel):
     def _put_fanout(self, exchange: str, message: dict[str, Any], routing_key: str,
                     **kwargs: Any) -> None:
         job = job_from_message(exchange, message)
-        self.backend.publishing(lambda c: self.backend.core.publish_fanout(c, exchange, job))
+        fanout = lambda c: self.backend.core.publish_fanout(c, exchange, job)  # noqa: E731
+        if not self.backend.in_caller_transaction(fanout):
+            self.backend.publishing(fanout)
 
     def basic_publish(self, message: dict[str, Any], exchange: str, routing_key: str,
                       **kwargs: Any) -> Any:
