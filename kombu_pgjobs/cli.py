@@ -411,7 +411,7 @@ def cmd_cancel(args: argparse.Namespace) -> dict[str, Any]:
     A running message's holder may still finish and ack it; a requeue or a lapsed lease deletes
     it instead of bringing it back."""
     with _admin(args) as admin:
-        return admin.cancel(args.ids)
+        return admin.cancel(args.ids, task_ids=args.task_id or ())
 
 
 def _render_cancel(r: dict[str, Any]) -> str:
@@ -675,7 +675,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = _add(sub, "requeue", cmd_requeue, _render_requeued, common)
     p.add_argument("ids", nargs="+", metavar="ID")
     p = _add(sub, "cancel", cmd_cancel, _render_cancel, common)
-    p.add_argument("ids", nargs="+", metavar="ID")
+    p.add_argument("ids", nargs="*", metavar="ID")
+    p.add_argument("--task-id", action="append", metavar="TASK_ID",
+                   help="a Celery task id (repeatable): its live message")
     p = _add(sub, "purge", cmd_purge, _render_purge, common)
     p.add_argument("queue")
     _bulk_args(p)

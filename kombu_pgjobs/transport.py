@@ -54,6 +54,7 @@ from .consumer import ConsumerLoop, refill_mark
 from .core import Claimed, job_from_message
 from .database import conninfo_from_parts
 from .errors import DatabaseUnavailable, PgJobsError
+from .events import log_event
 from .options import (
     TransportOptions,
     queue_arguments,
@@ -61,6 +62,7 @@ from .options import (
     validate_queue_name,
     validate_routing_key,
 )
+from .revoke import revoked_task_ids
 
 __all__ = ["Channel", "QoS", "Transport", "parse_tag"]
 
@@ -143,7 +145,12 @@ class Channel(virtual.Channel):
     def _put_fanout(self, exchange: str, message: dict[str, Any], routing_key: str,
                     **kwargs: Any) -> None:
         job = job_from_message(exchange, message)
+        revoked = revoked_task_ids(exchange, message)
         self.backend.publishing(lambda c: self.backend.core.publish_fanout(c, exchange, job))
+        if revoked:  # Celery's revoke broadcast: its waiting (ETA) rows go for good
+            gone = self.backend.publishing(lambda c: self.backend.core.revoke(c, revoked))
+            for job_id, queue in gone:
+                log_event("pgjobs.revoke.deleted", logging.INFO, job_id=job_id, queue=queue)
 
     def basic_publish(self, message: dict[str, Any], exchange: str, routing_key: str,
                       **kwargs: Any) -> Any:

@@ -291,9 +291,16 @@ SELECT count(*) FROM gone;
 
 -- name: admin_job_make_due :many
 -- `pgjobs requeue` of a delayed message: make it due now (it keeps its id, claim and attempts)
--- and wake the queue's consumers. Returns (id, queue).
+-- and wake the queue's consumers. Celery reads the ETA from the message, not from run_at, and
+-- would hold the task in memory until then: the stored message's `eta` header is cleared too
+-- (version 11). Returns (id, queue).
 UPDATE {schema}.pgjobs_job AS j
-   SET run_at = now()
+   SET run_at = now(),
+       delayed = false,
+       message = CASE WHEN json_typeof(j.message -> 'headers') = 'object'
+                           AND (j.message -> 'headers' ->> 'eta') IS NOT NULL
+                      THEN jsonb_set(j.message::jsonb, '{headers,eta}', 'null'::jsonb)::json
+                      ELSE j.message END
  WHERE j.id = ANY(%(ids)s::bigint[]) AND j.state = 'ready' AND j.run_at > now()
 RETURNING j.id, j.queue, pg_notify(%(channel)s, j.queue) IS NULL AS notified;
 
