@@ -40,14 +40,16 @@ from celery.utils.imports import symbol_by_name
 
 from kombu_pgjobs.errors import InvalidTaskOption
 
-from .deadletter import on_task_failure
+from .deadletter import on_task_failure, on_task_rejected
 from .idempotency import max_queued
 from .limits import check_app_limits
 from .retry import RULES, PgJobsTask
+from .settled import on_settled, start_telling
 from .state import add_app, installed
 from .tenant import check_tenant_required, current_tenant, tenant_required
+from .worker_sync import enable_worker_sync
 
-__all__ = ["RULES", "Task", "current_tenant", "install"]
+__all__ = ["RULES", "Task", "current_tenant", "install", "on_settled"]
 
 #: the task base class (use as ``base=celery_ext.Task`` in apps that set their own base)
 Task = PgJobsTask
@@ -85,6 +87,11 @@ def install(app: Any) -> Any:
     app.task = _checked_at_declaration(app, app.task)
     signals.task_failure.connect(
         on_task_failure, weak=False, dispatch_uid="celery_ext.deadletter")
+    # Celery parity (issue 16): the Reject reason in dead letters, on_settled, mingle/gossip
+    signals.task_failure.connect(
+        on_task_rejected, weak=False, dispatch_uid="celery_ext.reject_reason")
+    start_telling()
+    enable_worker_sync()
     add_app(app)
     return app
 

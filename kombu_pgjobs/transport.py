@@ -49,7 +49,7 @@ from kombu.transport import virtual
 from kombu.transport.base import to_rabbitmq_queue_arguments
 from kombu.utils.objects import cached_property
 
-from .backend import Backend, backend_for
+from .backend import Backend, backend_for, settle_listeners
 from .consumer import ConsumerLoop, refill_mark
 from .core import Claimed, job_from_message
 from .database import conninfo_from_parts
@@ -375,6 +375,8 @@ class Transport(virtual.Transport):
         if encoding is not None and encoding not in self.Channel.codecs:
             raise ValueError(f"the stored message's body_encoding {encoding!r} is unknown")
         props["delivery_tag"] = make_tag(row.id, row.claim)
+        if settle_listeners:  # headers for whoever is told of the settle (celery_ext)
+            self.backend.note_delivery(row.id, row.claim, message.get("headers"))
         if row.claim > 1:  # where kombu and Celery look for it
             info = props.get("delivery_info")
             if not isinstance(info, dict):

@@ -125,15 +125,16 @@ def start_worker(tmp_path: Path, schema: str, url: str) -> Iterator[Any]:
 
     def start(*, name: str = "w1", app: str = "tests.apps.recorder", pool: str = "threads",
               concurrency: int = 4, env: dict[str, str] | None = None,
-              extra: list[str] | None = None, ready: bool = True) -> Worker:
+              extra: list[str] | None = None, ready: bool = True,
+              worker_sync: bool = False) -> Worker:
         log = tmp_path / f"{name}.log"
         environ = {**os.environ, "PGJOBS_TEST_DSN": DSN, "PGJOBS_TEST_SCHEMA": schema,
                    "PGJOBS_TEST_BROKER": url, "PYTHONPATH": str(ROOT),
                    **(env or {})}
         cmd = [sys.executable, "-m", "celery", "-A", app, "worker", "-l", "info",
                "-P", pool, "-c", str(concurrency), "-n", f"{name}@%h",
-               "--without-gossip", "--without-mingle", "--without-heartbeat",
-               *(extra or [])]
+               *([] if worker_sync else ["--without-gossip", "--without-mingle"]),
+               "--without-heartbeat", *(extra or [])]
         with open(log, "wb") as fh:
             proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=environ,
                                     cwd=ROOT, start_new_session=True)

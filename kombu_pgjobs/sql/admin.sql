@@ -299,7 +299,8 @@ UPDATE {schema}.pgjobs_job AS j
        delayed = false,
        message = CASE WHEN json_typeof(j.message -> 'headers') = 'object'
                            AND (j.message -> 'headers' ->> 'eta') IS NOT NULL
-                      THEN jsonb_set(j.message::jsonb, '{headers,eta}', 'null'::jsonb)::json
+                      THEN jsonb_set(j.message::jsonb, ARRAY['headers', 'eta'],
+                                     'null'::jsonb)::json
                       ELSE j.message END
  WHERE j.id = ANY(%(ids)s::bigint[]) AND j.state = 'ready' AND j.run_at > now()
 RETURNING j.id, j.queue, pg_notify(%(channel)s, j.queue) IS NULL AS notified;
