@@ -44,6 +44,7 @@ from .deadletter import on_task_failure, on_task_rejected
 from .idempotency import max_queued
 from .limits import check_app_limits
 from .retry import RULES, PgJobsTask
+from .scheduled import install_scheduled
 from .settled import on_settled, start_telling
 from .state import add_app, installed
 from .tenant import check_tenant_required, current_tenant, tenant_required
@@ -92,6 +93,7 @@ def install(app: Any) -> Any:
         on_task_rejected, weak=False, dispatch_uid="celery_ext.reject_reason")
     start_telling()
     enable_worker_sync()
+    install_scheduled()
     add_app(app)
     return app
 

@@ -156,3 +156,18 @@ def test_clean_stop_deregisters_the_worker(db, parity, recorder_tables, start_wo
     assert worker.stop() == 0
     left = db.execute(f'SELECT worker FROM "{schema}".pgjobs_consumer').fetchall()
     assert left == [], "a cleanly stopped worker is not listed as alive"
+
+
+def test_inspect_scheduled_lists_eta_tasks_from_postgres(db, parity, recorder_tables,
+                                                         start_worker):
+    start_worker(name="sched", app=APP, concurrency=1)
+    later = parity.record.apply_async(("later",), countdown=600, priority=7)
+    replies = parity.app.control.inspect(timeout=10.0, limit=1).scheduled()
+    assert replies, "the worker answered"
+    (name, entries), = replies.items()
+    assert name.startswith("sched@")
+    mine = [e for e in entries if e["request"]["id"] == later.id]
+    assert len(mine) == 1, entries
+    assert mine[0]["priority"] == 7 and mine[0]["eta"]
+    assert mine[0]["request"]["name"] == "parity.record"
+    assert mine[0]["request"]["args"] == "('later',)"
