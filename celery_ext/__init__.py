@@ -41,6 +41,7 @@ from celery.utils.imports import symbol_by_name
 from kombu_pgjobs.errors import InvalidTaskOption
 
 from .deadletter import on_task_failure, on_task_rejected
+from .flower import register as register_flower
 from .idempotency import max_queued
 from .limits import check_app_limits
 from .retry import RULES, PgJobsTask
@@ -94,6 +95,7 @@ def install(app: Any) -> Any:
     start_telling()
     enable_worker_sync()
     install_scheduled()
+    register_flower()
     add_app(app)
     return app
 
