@@ -26,6 +26,12 @@
   ``pgjobs_tenant_max_queued = N`` refuses a publish that would give a tenant more than N live
   messages (``TenantQueueFull``, ``PGJ-506``). See :mod:`celery_ext.idempotency`.
 
+Celery parity (docs/compatibility.md): :data:`celery_ext.on_settled` (sent once per ack, requeue
+or dead letter that committed, :mod:`celery_ext.settled`); ``Reject(reason)`` stored in the dead
+letter; worker sync (mingle) and gossip on pgjobs (:mod:`celery_ext.worker_sync`); ``celery
+inspect scheduled`` from Postgres (:mod:`celery_ext.scheduled`); queue lengths in Flower
+(:mod:`celery_ext.flower`).
+
 A task with its own base class gets the same by deriving it from :class:`celery_ext.Task`.
 """
 

@@ -1,5 +1,6 @@
-"""Green pools end to end (issue 16, item 1): ``-P eventlet`` and ``-P gevent`` workers run
-tasks published while they wait, answer ``inspect ping`` and stop warm within 10 s.
+"""Green pools end to end (issue 16, item 1): ``-P eventlet`` and ``-P gevent`` workers (and
+``-P solo``, the compatibility table's other single-threaded pool) run tasks published while they
+wait, answer ``inspect ping`` and stop warm within 10 s.
 
 Under eventlet the worker used to run what it claimed at start-up and then never wake: psycopg
 waited in C and the self-pipe's green ``os.read`` blocked the loop (kombu_pgjobs/green.py).
@@ -18,12 +19,13 @@ from .test_celery_e2e import _app, _runs
 pytestmark = pytest.mark.e2e
 
 
-@pytest.mark.parametrize("pool", ["eventlet", "gevent"])
-def test_green_pool_runs_tasks_answers_ping_and_stops_warm(
+@pytest.mark.parametrize("pool", ["eventlet", "gevent", "solo"])
+def test_pool_runs_tasks_answers_ping_and_stops_warm(
         pool, db, recorder_tables, url, start_worker):
     schema = recorder_tables
     rec = _app(schema, url)
-    worker = start_worker(name=f"green-{pool}", pool=pool, concurrency=20)
+    worker = start_worker(name=f"green-{pool}", pool=pool,
+                          concurrency=1 if pool == "solo" else 20)
     time.sleep(1.0)  # idle first: the bug was a loop that never woke for new work
     with rec.app.connection_for_write() as conn:
         for i in range(200):
