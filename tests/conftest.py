@@ -7,6 +7,7 @@ reason, so a missing database is never mistaken for a pass.
 
 from __future__ import annotations
 
+import importlib
 import os
 import signal
 import subprocess
@@ -160,3 +161,17 @@ def wait_for(predicate: Any, timeout: float, interval: float = 0.2, what: str = 
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(interval)
+
+
+def import_app(module: str, schema: str, url: str, **env: str) -> Any:
+    """A test app module imported afresh for this test's schema and broker (to publish from the
+    test process); the environment it read at import is restored afterwards."""
+    saved = dict(os.environ)
+    os.environ.update({"PGJOBS_TEST_SCHEMA": schema, "PGJOBS_TEST_BROKER": url,
+                       "PGJOBS_TEST_DSN": DSN, **env})
+    try:
+        sys.modules.pop(module, None)
+        return importlib.import_module(module)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)

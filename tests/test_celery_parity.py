@@ -4,10 +4,7 @@ database result backend). Counts come from the database: runs, settle notificati
 
 from __future__ import annotations
 
-import importlib
 import json
-import os
-import sys
 import time
 from typing import Any
 
@@ -17,30 +14,18 @@ from celery.exceptions import TaskRevokedError
 
 from kombu_pgjobs.cli import main as cli
 
-from .conftest import DSN, wait_for
+from .conftest import import_app, wait_for
 
 pytestmark = pytest.mark.e2e
 
 APP = "tests.apps.parity"
 
 
-def _app(schema: str, url: str) -> Any:
-    saved = dict(os.environ)
-    os.environ.update({"PGJOBS_TEST_SCHEMA": schema, "PGJOBS_TEST_BROKER": url,
-                       "PGJOBS_TEST_DSN": DSN})
-    try:
-        sys.modules.pop(APP, None)
-        return importlib.import_module(APP)
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-
-
 @pytest.fixture
 def parity(db: psycopg.Connection[Any], recorder_tables: str, url: str) -> Any:
     db.execute(f'CREATE TABLE "{recorder_tables}".pgjobs_test_settled (task text, outcome text, '
                "task_id text, attempts int, at timestamptz DEFAULT clock_timestamp())")
-    return _app(recorder_tables, url)
+    return import_app(APP, recorder_tables, url)
 
 
 def _ran(db: psycopg.Connection[Any], schema: str, label: str) -> int:
