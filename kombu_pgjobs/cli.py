@@ -29,6 +29,7 @@ from urllib.parse import quote, unquote, urlsplit
 import psycopg
 
 from .admin import DEFAULT_BATCH, DEFAULT_BULK_LIMIT, DEFAULT_PAGE, MAX_LEASES, STATES, Admin
+from .bulk import add_commands as add_bulk_commands
 from .database import connect, conninfo_from_url
 from .errors import ConfigurationError, InvalidArgument, PgJobsError, UsageError
 from .options import TransportOptions
@@ -681,6 +682,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = _add(sub, "purge", cmd_purge, _render_purge, common)
     p.add_argument("queue")
     _bulk_args(p)
+    add_bulk_commands(sub, common, _add, _admin)  # pgjobs bulk promote|remove (bulk.py)
     p = _add(sub, "pause", cmd_pause, _render_pause, common)
     p.add_argument("queue")
     p.add_argument("--create", action="store_true",
