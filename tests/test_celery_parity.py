@@ -106,7 +106,7 @@ def test_promote_runs_the_delayed_task_within_a_second(
 def test_on_settled_once_per_landed_settle_and_dead_letters_keep_the_reason(
         db, parity, recorder_tables, start_worker):
     schema = recorder_tables
-    worker = start_worker(name="settled", app=APP, concurrency=2)
+    worker = start_worker(name="settled", app=APP, pool="prefork", concurrency=2)
     ok = parity.record.delay("ok")
     failed = parity.fail.delay("failed")
     rejected = parity.reject.delay("rejected")
