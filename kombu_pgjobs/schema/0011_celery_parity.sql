@@ -26,3 +26,15 @@ COMMENT ON COLUMN {schema}.pgjobs_dead_letter.expires_at IS
     'The job''s expires_at when it was dead-lettered (NULL: none, or not recorded).';
 COMMENT ON COLUMN {schema}.pgjobs_dead_letter.worker IS
     'The last holder of the job''s lease (host:pid; NULL: never held, or not recorded).';
+
+-- A promoted message (`pgjobs requeue` of a delayed one, `pgjobs bulk promote`) is due now, but
+-- Celery reads the ETA from the message and would hold the task in memory until then: its `eta`
+-- header is cleared. Anything that is not a Celery message (no headers object, no eta) is
+-- returned unchanged.
+CREATE OR REPLACE FUNCTION {schema}.pgjobs_without_eta_v1(message json) RETURNS json
+LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+    SELECT CASE WHEN json_typeof(message -> 'headers') = 'object'
+                     AND (message -> 'headers' ->> 'eta') IS NOT NULL
+                THEN jsonb_set(message::jsonb, ARRAY['headers', 'eta'], 'null'::jsonb)::json
+                ELSE message END
+$$;

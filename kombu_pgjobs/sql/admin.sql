@@ -297,11 +297,7 @@ SELECT count(*) FROM gone;
 UPDATE {schema}.pgjobs_job AS j
    SET run_at = now(),
        delayed = false,
-       message = CASE WHEN json_typeof(j.message -> 'headers') = 'object'
-                           AND (j.message -> 'headers' ->> 'eta') IS NOT NULL
-                      THEN jsonb_set(j.message::jsonb, ARRAY['headers', 'eta'],
-                                     'null'::jsonb)::json
-                      ELSE j.message END
+       message = {schema}.pgjobs_without_eta_v1(j.message)
  WHERE j.id = ANY(%(ids)s::bigint[]) AND j.state = 'ready' AND j.run_at > now()
 RETURNING j.id, j.queue, pg_notify(%(channel)s, j.queue) IS NULL AS notified;
 

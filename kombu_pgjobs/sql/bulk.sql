@@ -18,11 +18,7 @@ WITH picked AS (
     UPDATE {schema}.pgjobs_job AS j
        SET run_at = now(),
            delayed = false,
-           message = CASE WHEN json_typeof(j.message -> 'headers') = 'object'
-                               AND (j.message -> 'headers' ->> 'eta') IS NOT NULL
-                          THEN jsonb_set(j.message::jsonb, ARRAY['headers', 'eta'],
-                                         'null'::jsonb)::json
-                          ELSE j.message END
+           message = {schema}.pgjobs_without_eta_v1(j.message)
       FROM picked
      WHERE j.id = picked.id
     RETURNING j.queue
