@@ -10,7 +10,8 @@ from typing import Any
 
 import psycopg
 import pytest
-from celery.exceptions import TaskRevokedError
+from celery import chord
+from celery.exceptions import ChordError, TaskRevokedError
 
 from kombu_pgjobs.cli import main as cli
 
@@ -156,3 +157,16 @@ def test_inspect_scheduled_lists_eta_tasks_from_postgres(db, parity, recorder_ta
     assert mine[0]["priority"] == 7 and mine[0]["eta"]
     assert mine[0]["request"]["name"] == "parity.record"
     assert mine[0]["request"]["args"] == "('later',)"
+
+
+def test_chord_with_an_expired_member_fails_instead_of_hanging(
+        db, parity, recorder_tables, start_worker):
+    """A chord whose member expires while waiting fails (Celery's ChordError), as on Redis."""
+    start_worker(name="chord", app=APP, concurrency=1)
+    for i in range(4):  # the prefetch window (4): the chord's members wait in Postgres
+        parity.sleep.delay(f"busy{i}", 1.5)
+    result = chord([parity.record.si("member"),
+                    parity.record.si("expired").set(expires=1)])(parity.record.si("callback"))
+    with pytest.raises((ChordError, TaskRevokedError)):
+        result.get(timeout=40)
+    assert _ran(db, recorder_tables, "callback") == 0
