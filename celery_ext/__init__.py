@@ -29,6 +29,12 @@
 ``with celery_ext.transaction(conn):`` publishes the block's tasks in the app's own transaction
 (the transactional outbox): see :mod:`celery_ext.outbox` and docs/outbox.md.
 
+Celery parity (docs/compatibility.md): :data:`celery_ext.on_settled` (sent once per ack, requeue
+or dead letter that committed, :mod:`celery_ext.settled`); ``Reject(reason)`` stored in the dead
+letter; worker sync (mingle) and gossip on pgjobs (:mod:`celery_ext.worker_sync`); ``celery
+inspect scheduled`` from Postgres (:mod:`celery_ext.scheduled`); queue lengths in Flower
+(:mod:`celery_ext.flower`).
+
 A task with its own base class gets the same by deriving it from :class:`celery_ext.Task`.
 """
 
@@ -43,15 +49,20 @@ from celery.utils.imports import symbol_by_name
 
 from kombu_pgjobs.errors import InvalidTaskOption
 
-from .deadletter import on_task_failure
+from .deadletter import on_task_failure, on_task_rejected
+from .flower import register as register_flower
 from .idempotency import max_queued
 from .limits import check_app_limits
 from .outbox import OutboxRelay, transaction
 from .retry import RULES, PgJobsTask
+from .scheduled import install_scheduled
+from .settled import on_settled, start_telling
 from .state import add_app, installed
 from .tenant import check_tenant_required, current_tenant, tenant_required
+from .worker_sync import enable_worker_sync
 
-__all__ = ["RULES", "OutboxRelay", "Task", "current_tenant", "install", "transaction"]
+__all__ = ["RULES", "OutboxRelay", "Task", "current_tenant", "install", "on_settled",
+           "transaction"]
 
 #: the task base class (use as ``base=celery_ext.Task`` in apps that set their own base)
 Task = PgJobsTask
@@ -89,6 +100,13 @@ def install(app: Any) -> Any:
     app.task = _checked_at_declaration(app, app.task)
     signals.task_failure.connect(
         on_task_failure, weak=False, dispatch_uid="celery_ext.deadletter")
+    # Celery parity (issue 16): the Reject reason in dead letters, on_settled, mingle/gossip
+    signals.task_failure.connect(
+        on_task_rejected, weak=False, dispatch_uid="celery_ext.reject_reason")
+    start_telling()
+    enable_worker_sync()
+    install_scheduled()
+    register_flower()
     add_app(app)
     return app
 

@@ -32,7 +32,7 @@ from kombu_pgjobs.transport import parse_tag
 from .retry import rule_of
 from .state import installed
 
-__all__ = ["on_task_failure", "rebuild_message", "storable"]
+__all__ = ["on_task_failure", "on_task_rejected", "rebuild_message", "storable"]
 
 log = logging.getLogger("celery_ext")
 
@@ -176,3 +176,22 @@ def on_task_failure(sender: Any = None, exception: BaseException | None = None,
     except Exception:
         log.exception("celery_ext.dead_letter.failed task=%s id=%s", task.name, request.id,
                       extra={"action": "celery_ext.dead_letter.failed"})
+
+
+def on_task_rejected(sender: Any = None, task_id: str | None = None,
+                     exception: BaseException | None = None, **_: Any) -> None:
+    """``task_failure`` of ``Reject(reason, requeue=False)`` (sent in the worker's main process
+    just before it rejects the message): tell the transport the reason, which it stores in the
+    dead letter's ``error`` (``{"type": "Reject", "message": reason}``). Never raises."""
+    if not isinstance(exception, Reject) or exception.requeue or not task_id:
+        return
+    app = getattr(sender, "app", None)
+    if app is None or not installed(app):
+        return
+    try:
+        backend = _backend(app)
+        if backend is not None:
+            backend.note_reject_reason(task_id, storable(str(exception.reason)))
+    except Exception:
+        log.exception("celery_ext.dead_letter.reason_lost id=%s", task_id,
+                      extra={"action": "celery_ext.dead_letter.reason_lost"})

@@ -31,6 +31,7 @@ from .errors import (
     StateConflict,
     UnknownQueue,
     UnknownState,
+    UsageError,
 )
 from .options import validate_queue_name, validate_schema_name
 from .schema import current_version
@@ -505,8 +506,20 @@ class Admin:
             "unchanged": [i for i in wanted if found[i][1] in ("ready", "waiting")],
         }
 
-    def cancel(self, ids: Sequence[Any]) -> dict[str, Any]:
-        wanted = _ids(ids)
+    def cancel(self, ids: Sequence[Any], *, task_ids: Sequence[str] = ()) -> dict[str, Any]:
+        """Cancel messages by id and/or by Celery task id (``--task-id``: a delayed message
+        is found through ``pgjobs_job_task_id_idx``; see :mod:`kombu_pgjobs.revoke`)."""
+        wanted = _ids(ids) if ids else []
+        if task_ids:
+            found_ids = self.conn.execute(self.q["revoke_find"], {
+                "task_ids": list(task_ids)}).fetchall()
+            missing = sorted(set(task_ids) - {r[1] for r in found_ids})
+            if missing:
+                raise NotFound(f"no live message with Celery task id {', '.join(missing)} "
+                               "(already run, or a dead letter: `pgjobs dead ls`)")
+            wanted += [int(r[0]) for r in found_ids if int(r[0]) not in wanted]
+        if not wanted:
+            raise UsageError("name the messages to cancel: IDs, or --task-id ID")
         with self.conn.transaction():
             found = self._locate(wanted)
             dead = [i for i in wanted if found[i][0] == "dead"]

@@ -43,7 +43,7 @@ from .schema import current_version as schema_version
 from .schema import latest_version, migrate
 from .unconfirmed import Unconfirmed
 
-__all__ = ["Backend", "backend_for", "release_all"]
+__all__ = ["Backend", "add_settle_listener", "backend_for", "release_all", "settle_listeners"]
 
 #: how far claim numbers move up on a new WAL timeline: more claims of one message than a
 #: failover can lose (claim numbers are 32-bit: about 2,000 failovers of room)
@@ -66,6 +66,25 @@ def backend_for(conninfo: str, options: TransportOptions) -> Backend:
         return b
 
 
+#: Told of every fenced settle that landed: ``fn(outcome, job_id, claim, headers)`` with outcome
+#: ``acked``, ``requeued`` or ``dead``, after its statement committed, once, never for a settle
+#: that missed its fence. ``headers`` are the delivered message's (``{}`` when not recorded).
+#: celery_ext's ``on_settled`` signal is one (see :mod:`celery_ext.settled`). A listener runs on
+#: the thread that settled (the consumer, the keeper, a pool thread); one that raises is logged
+#: (PGJ-221) and changes nothing.
+SettleListener = Callable[[str, int, int, dict[str, Any]], None]
+settle_listeners: list[SettleListener] = []
+_OUTCOMES = {"ack": "acked", "requeue": "requeued", "reject": "dead", "bury": "dead"}
+#: the most reject reasons / delivery headers remembered for settles still to come
+_MAX_REMEMBERED = 100_000
+
+
+def add_settle_listener(fn: SettleListener) -> None:
+    """Register a settle listener for every backend of this process (idempotent)."""
+    if fn not in settle_listeners:
+        settle_listeners.append(fn)
+
+
 def release_all() -> None:
     """Close every backend of this process (its connections and keeper thread)."""
     with _backends_lock:
@@ -82,6 +101,7 @@ def _flush_at_exit() -> None:
         backends = [b for b in _backends.values() if b.pid == os.getpid()]
     for b in backends:
         b.flush_pending()
+        b.deregister()
 
 
 atexit.register(_flush_at_exit)
@@ -124,6 +144,11 @@ class Backend:
         self._held_lock = threading.Lock()
         self.consumed: dict[str, int] = {}
         self._churn = 0  # rows settled since the keeper's last vacuum request
+        # for settle listeners: the delivered headers of held messages, by (id, claim); and
+        # reasons given for rejects to come (celery_ext: Reject(reason)), by Celery task id
+        self._delivered: dict[Pair, dict[str, Any]] = {}
+        self._reject_reasons: dict[str, str] = {}
+        self._consumer_seen = False  # it consumed: its keeper registers it (pgjobs_consumer)
         self._keeper: Keeper | None = None
         self._keeper_lock = threading.Lock()
 
@@ -197,11 +222,49 @@ class Backend:
         database cannot be reached even on a new connection, the failure is logged, never
         raised at Celery, and these leases are no longer renewed: they lapse and the rows come
         back (an attempt counted) — never stranded behind a lease this process renews."""
-        if requeue:
-            self._settle(pairs, "requeue",
+        if requeue:  # a hand-back (uncount: never started) is no outcome: listeners skip it
+            self._settle(pairs, "handback" if uncount else "requeue",
                          lambda c: self.core.requeue(c, pairs, uncount=uncount))
         else:
-            self._settle(pairs, "reject", lambda c: self.core.bury(c, pairs, reason="rejected"))
+            error = None
+            for pair in pairs if self._reject_reasons else ():
+                task_id = (self._delivered.get(pair) or {}).get("id")
+                reason = self._reject_reasons.pop(task_id, None) \
+                    if isinstance(task_id, str) else None
+                if reason is not None:
+                    error = {"type": "Reject", "message": reason}
+            self._settle(pairs, "reject", lambda c: self.core.bury(
+                c, pairs, reason="rejected", error=error))
+
+    def note_reject_reason(self, task_id: str, reason: str) -> None:
+        """The reason the coming reject of Celery task ``task_id`` gives (``Reject(reason,
+        requeue=False)``, told by celery_ext): stored in the dead letter's ``error``. Needs the
+        delivery's headers (kept while a settle listener is registered). Bounded: a reason
+        whose reject never comes is dropped with the oldest."""
+        if len(self._reject_reasons) >= _MAX_REMEMBERED:
+            self._reject_reasons.pop(next(iter(self._reject_reasons)))
+        self._reject_reasons[task_id] = reason[:64 * 1024]
+
+    def note_delivery(self, job_id: int, claim: int, headers: Any) -> None:
+        """Remember a delivered message's headers for the settle listeners (only when there
+        are any: nothing is kept otherwise)."""
+        if settle_listeners and isinstance(headers, dict):
+            if len(self._delivered) >= _MAX_REMEMBERED:
+                self._delivered.pop(next(iter(self._delivered)))
+            self._delivered[(job_id, claim)] = headers
+
+    def _tell_settled(self, sent: list[Pair], hit: set[int], action: str) -> None:
+        outcome = _OUTCOMES.get(action)
+        for pair in sent:
+            headers = self._delivered.pop(pair, None)
+            if pair[0] not in hit or outcome is None:
+                continue  # missed its fence: nothing landed, nobody is told
+            for fn in list(settle_listeners):
+                try:
+                    fn(outcome, pair[0], pair[1], headers or {})
+                except Exception as exc:
+                    log_event("pgjobs.settled.listener_failed", job_id=pair[0],
+                              error=one_line(exc))
 
     def _settle(self, pairs: list[Pair], action: str,
                 statement: Callable[[psycopg.Connection[Any]], set[int]]) -> None:
@@ -398,6 +461,8 @@ class Backend:
         for job_id, claim in sent:
             if job_id not in hit:
                 log_event("pgjobs.settle.unowned", job_id=job_id, fence=claim, settle=action)
+        if settle_listeners:
+            self._tell_settled(sent, hit, action)
 
     def flush_acks(self, conn: psycopg.Connection[Any]) -> int:
         acks = self.take_acks()
@@ -449,10 +514,31 @@ class Backend:
                 else:
                     self.consumed.pop(q, None)
         if delta > 0:
+            self._consumer_seen = True
             self.keeper()
 
+    def deregister(self) -> None:
+        """A clean stop: stop the keeper (so no tick upserts the row again) and delete this
+        process's ``pgjobs_consumer`` row, when it ever consumed. Never raises: a row left
+        behind goes after three keeper ticks of another consumer."""
+        if not self._consumer_seen or self.pid != os.getpid():
+            return
+        with self._keeper_lock:
+            keeper, self._keeper = self._keeper, None
+        if keeper is not None:
+            keeper.stop()
+        try:
+            self.publishing(lambda c: c.execute(self.core.q["consumer_forget"],
+                                                {"worker": self.worker}))
+            self._consumer_seen = False
+        except (psycopg.Error, PgJobsError) as exc:
+            log.warning("pgjobs.consumer.deregister_failed %s", one_line(exc),
+                        extra={"action": "deregister"})
+
     def close(self) -> None:
-        """Confirm publishes, flush acks, stop the keeper and close the shared connections."""
+        """Confirm publishes, flush acks, stop the keeper, deregister a consumer and close the
+        shared connections."""
+        self.deregister()
         with self._keeper_lock:
             keeper, self._keeper = self._keeper, None
         if keeper is not None:

@@ -29,6 +29,7 @@ from urllib.parse import quote, unquote, urlsplit
 import psycopg
 
 from .admin import DEFAULT_BATCH, DEFAULT_BULK_LIMIT, DEFAULT_PAGE, MAX_LEASES, STATES, Admin
+from .bulk import add_commands as add_bulk_commands
 from .database import connect, conninfo_from_url
 from .errors import ConfigurationError, InvalidArgument, PgJobsError, UsageError
 from .options import TransportOptions
@@ -411,7 +412,7 @@ def cmd_cancel(args: argparse.Namespace) -> dict[str, Any]:
     A running message's holder may still finish and ack it; a requeue or a lapsed lease deletes
     it instead of bringing it back."""
     with _admin(args) as admin:
-        return admin.cancel(args.ids)
+        return admin.cancel(args.ids, task_ids=args.task_id or ())
 
 
 def _render_cancel(r: dict[str, Any]) -> str:
@@ -675,10 +676,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = _add(sub, "requeue", cmd_requeue, _render_requeued, common)
     p.add_argument("ids", nargs="+", metavar="ID")
     p = _add(sub, "cancel", cmd_cancel, _render_cancel, common)
-    p.add_argument("ids", nargs="+", metavar="ID")
+    p.add_argument("ids", nargs="*", metavar="ID")
+    p.add_argument("--task-id", action="append", metavar="TASK_ID",
+                   help="a Celery task id (repeatable): its live message")
     p = _add(sub, "purge", cmd_purge, _render_purge, common)
     p.add_argument("queue")
     _bulk_args(p)
+    add_bulk_commands(sub, common, _add, _admin)  # pgjobs bulk promote|remove (bulk.py)
     p = _add(sub, "pause", cmd_pause, _render_pause, common)
     p.add_argument("queue")
     p.add_argument("--create", action="store_true",

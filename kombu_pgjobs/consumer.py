@@ -42,7 +42,6 @@ from __future__ import annotations
 import enum
 import logging
 import os
-import select
 import threading
 import time
 from collections.abc import Iterable
@@ -54,6 +53,7 @@ from psycopg import sql
 from .core import Claimed, ClaimResult, Pair
 from .errors import DatabaseTimeout, DatabaseUnavailable, PgJobsError
 from .events import log_event, one_line
+from .green import pipe_read, pipe_write, wait_readable
 from .inflight import SUPPORTED, InFlight
 
 if TYPE_CHECKING:
@@ -238,7 +238,7 @@ class ConsumerLoop:
             if self._wake_w < 0:
                 return
             try:
-                os.write(self._wake_w, b"x")
+                pipe_write(self._wake_w, b"x")  # never green: green.py
             except (BlockingIOError, OSError):
                 pass
 
@@ -255,7 +255,7 @@ class ConsumerLoop:
     def read_wakeups(self) -> None:
         """Empty the self-pipe and take pending notifications (never blocks)."""
         try:
-            while os.read(self._wake_r, 4096):
+            while pipe_read(self._wake_r, 4096):  # never green: green.py
                 pass
         except (BlockingIOError, OSError):
             pass
@@ -555,13 +555,12 @@ class ConsumerLoop:
         return max(wait, 0.0)
 
     def _wait(self, timeout: float) -> None:
-        poller = select.poll()
-        poller.register(self._wake_r, select.POLLIN)
+        fds = [self._wake_r]
         conn = self.conn
         if self.listening and conn is not None and not conn.closed:
-            poller.register(conn.fileno(), select.POLLIN)
+            fds.append(conn.fileno())
         try:
-            poller.poll(max(timeout, 0.0) * 1000)
+            wait_readable(fds, timeout)  # poll(), or eventlet's green select (green.py)
         except InterruptedError:  # pragma: no cover
             return
         self.read_wakeups()

@@ -248,6 +248,11 @@ def job_from_message(queue: str, message: Mapping[str, Any]) -> NewJob:
     expiration = props.get("expiration")
     ttl_ms = None if expiration in (None, "") else _number(
         "expiration", expiration, minimum=0, maximum=2**53)
+    if ttl_ms is not None and headers.get("expires") and isinstance(headers.get("task"), str):
+        # A Celery task's ``expires`` (Celery also sends it as the expiration): the worker
+        # must receive the message to end it as REVOKED (a stored result, a failed chord), as
+        # on Redis; dropped here, its result would wait forever. Other messages keep the TTL.
+        ttl_ms = None
     raw_max = headers.get(MAX_ATTEMPTS_HEADER)
     max_attempts = None if raw_max is None else int(
         _number(MAX_ATTEMPTS_HEADER, raw_max, minimum=1, maximum=1_000_000))
@@ -445,6 +450,14 @@ class QueueCore:
             "ttl_ms": job.ttl_ms, "max_attempts": job.max_attempts, "task": job.task,
             "limits": job.limits, "message": job.message, "tenant": job.tenant,
         })
+
+    def revoke(self, conn: psycopg.Connection, task_ids: Sequence[str]) -> list[tuple[int, str]]:
+        """Delete the delayed rows of these Celery task ids (a revoke broadcast, see
+        :mod:`kombu_pgjobs.revoke`); returns ``[(id, queue)]``."""
+        if not task_ids:
+            return []
+        return [(r[0], r[1]) for r in conn.execute(self.q["revoke_delete"], {
+            "task_ids": list(task_ids), "worker": self.worker}).fetchall()]
 
     # -- claim and settle ----------------------------------------------------------------
     def claim(self, conn: psycopg.Connection, queues: Sequence[str], n: int,

@@ -39,6 +39,7 @@ from .errors import (
     InvalidSSL,
     InvalidURL,
 )
+from .green import cooperate
 from .options import TransportOptions
 from .url import parse as parse_url
 
@@ -343,6 +344,7 @@ def connect(conninfo: str, *, autocommit: bool = True,
     # its generic plan reads the index in order at any depth; the claim connection forces
     # generic plans (Backend.connect(hot=True)).
     threshold = 0 if prepare else None
+    cooperate()  # psycopg's waits yield to eventlet's hub under -P eventlet (green.py)
     try:
         try:
             return psycopg.connect(conninfo, autocommit=autocommit, prepare_threshold=threshold,

@@ -60,6 +60,13 @@ EVENTS: dict[str, tuple[str, str]] = {
     "pgjobs.limit.woken": (
         "PGJ-305", "a message parked on a concurrency key with no running holder was woken "
         "by the keeper's safety net"),
+    # Celery parity (issue 16): PGJ-220..229
+    "pgjobs.revoke.deleted": (
+        "PGJ-220", "a Celery revoke broadcast named a task waiting for its ETA: its row was "
+        "deleted from Postgres (counted revoked; INFO)"),
+    "pgjobs.settled.listener_failed": (
+        "PGJ-221", "a receiver of the on_settled notification raised: logged, the settle it "
+        "reported stands"),
 }
 
 

@@ -27,7 +27,9 @@ _WRITABLE = select.POLLOUT | select.POLLHUP | select.POLLERR
 
 
 def _poll(fd: int, events: int, timeout: float | None) -> int:
-    """poll() one fd (select() fails past fd 1024: a prefork parent has many); the events."""
+    """poll() one fd (select() fails past fd 1024: a prefork parent has many); the events.
+    Only Celery's event loop sends claims in flight, and it never runs under a green pool
+    (where eventlet deletes ``select.poll``)."""
     poller = select.poll()
     poller.register(fd, events)
     found = poller.poll(None if timeout is None else timeout * 1000)

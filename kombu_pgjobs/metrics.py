@@ -53,7 +53,8 @@ def collect(admin: Admin, *, tenants: int = DEFAULT_TENANTS) -> list[Metric]:
     started = time.monotonic()
     messages = Metric("pgjobs_messages", "gauge",
                       "Messages in the job table by queue and state: ready (due now), delayed "
-                      "(waiting for their ETA) and running (leased to a worker).")
+                      "(waiting for their ETA), running (leased to a worker) and waiting "
+                      "(parked by a full concurrency key).")
     oldest = Metric("pgjobs_oldest_ready_age_seconds", "gauge",
                     "Seconds the oldest due message of a queue has waited (0 when none): the "
                     "queue's latency.")
@@ -61,7 +62,8 @@ def collect(admin: Admin, *, tenants: int = DEFAULT_TENANTS) -> list[Metric]:
     paused = Metric("pgjobs_queue_paused", "gauge", "1 when a queue is paused (not claimed).")
     settled = Metric("pgjobs_settled_total", "counter",
                      "Messages settled, by queue and outcome (acked, requeued, rescued, dead, "
-                     "expired, cancelled, purged, failed), since the schema was installed.")
+                     "expired, cancelled, purged, failed, revoked), since the schema was "
+                     "installed.")
     consumers = Metric("pgjobs_consumers", "gauge",
                        "Consuming processes seen by their keeper tick in the last few ticks.")
     orphaned = Metric("pgjobs_orphaned_leases", "gauge",
@@ -69,7 +71,7 @@ def collect(admin: Admin, *, tenants: int = DEFAULT_TENANTS) -> list[Metric]:
                       "within lease_ttl and are re-delivered or buried).")
     for q in admin.queues(minutes=1):
         name = q["queue"]
-        for state in ("ready", "delayed", "running"):
+        for state in ("ready", "delayed", "running", "waiting"):
             messages.add(q[state], queue=name, state=state)
         oldest.add(q["oldest_ready_age"] or 0.0, queue=name)
         dead.add(q["dead"], queue=name)

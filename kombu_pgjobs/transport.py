@@ -49,11 +49,12 @@ from kombu.transport import virtual
 from kombu.transport.base import to_rabbitmq_queue_arguments
 from kombu.utils.objects import cached_property
 
-from .backend import Backend, backend_for
+from .backend import Backend, backend_for, settle_listeners
 from .consumer import ConsumerLoop, refill_mark
 from .core import Claimed, job_from_message
 from .database import conninfo_from_parts
 from .errors import DatabaseUnavailable, PgJobsError
+from .events import log_event
 from .options import (
     TransportOptions,
     queue_arguments,
@@ -61,6 +62,7 @@ from .options import (
     validate_queue_name,
     validate_routing_key,
 )
+from .revoke import revoked_task_ids
 from .url import host_list
 
 __all__ = ["Channel", "QoS", "Transport", "parse_tag"]
@@ -144,9 +146,14 @@ class Channel(virtual.Channel):
     def _put_fanout(self, exchange: str, message: dict[str, Any], routing_key: str,
                     **kwargs: Any) -> None:
         job = job_from_message(exchange, message)
+        revoked = revoked_task_ids(exchange, message)
         fanout = lambda c: self.backend.core.publish_fanout(c, exchange, job)  # noqa: E731
         if not self.backend.in_caller_transaction(fanout):
             self.backend.publishing(fanout)
+        if revoked:  # Celery's revoke broadcast: its waiting (ETA) rows go for good
+            gone = self.backend.publishing(lambda c: self.backend.core.revoke(c, revoked))
+            for job_id, queue in gone:
+                log_event("pgjobs.revoke.deleted", logging.INFO, job_id=job_id, queue=queue)
 
     def basic_publish(self, message: dict[str, Any], exchange: str, routing_key: str,
                       **kwargs: Any) -> Any:
@@ -377,6 +384,8 @@ class Transport(virtual.Transport):
         if encoding is not None and encoding not in self.Channel.codecs:
             raise ValueError(f"the stored message's body_encoding {encoding!r} is unknown")
         props["delivery_tag"] = make_tag(row.id, row.claim)
+        if settle_listeners:  # headers for whoever is told of the settle (celery_ext)
+            self.backend.note_delivery(row.id, row.claim, message.get("headers"))
         if row.claim > 1:  # where kombu and Celery look for it
             info = props.get("delivery_info")
             if not isinstance(info, dict):

@@ -7,6 +7,7 @@ reason, so a missing database is never mistaken for a pass.
 
 from __future__ import annotations
 
+import importlib
 import os
 import signal
 import subprocess
@@ -125,15 +126,16 @@ def start_worker(tmp_path: Path, schema: str, url: str) -> Iterator[Any]:
 
     def start(*, name: str = "w1", app: str = "tests.apps.recorder", pool: str = "threads",
               concurrency: int = 4, env: dict[str, str] | None = None,
-              extra: list[str] | None = None, ready: bool = True) -> Worker:
+              extra: list[str] | None = None, ready: bool = True,
+              worker_sync: bool = False) -> Worker:
         log = tmp_path / f"{name}.log"
         environ = {**os.environ, "PGJOBS_TEST_DSN": DSN, "PGJOBS_TEST_SCHEMA": schema,
                    "PGJOBS_TEST_BROKER": url, "PYTHONPATH": str(ROOT),
                    **(env or {})}
         cmd = [sys.executable, "-m", "celery", "-A", app, "worker", "-l", "info",
                "-P", pool, "-c", str(concurrency), "-n", f"{name}@%h",
-               "--without-gossip", "--without-mingle", "--without-heartbeat",
-               *(extra or [])]
+               *([] if worker_sync else ["--without-gossip", "--without-mingle"]),
+               "--without-heartbeat", *(extra or [])]
         with open(log, "wb") as fh:
             proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=environ,
                                     cwd=ROOT, start_new_session=True)
@@ -159,3 +161,17 @@ def wait_for(predicate: Any, timeout: float, interval: float = 0.2, what: str = 
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(interval)
+
+
+def import_app(module: str, schema: str, url: str, **env: str) -> Any:
+    """A test app module imported afresh for this test's schema and broker (to publish from the
+    test process); the environment it read at import is restored afterwards."""
+    saved = dict(os.environ)
+    os.environ.update({"PGJOBS_TEST_SCHEMA": schema, "PGJOBS_TEST_BROKER": url,
+                       "PGJOBS_TEST_DSN": DSN, **env})
+    try:
+        sys.modules.pop(module, None)
+        return importlib.import_module(module)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)

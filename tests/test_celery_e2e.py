@@ -5,7 +5,6 @@ Counts come from the database the tasks write to, never from worker logs.
 
 from __future__ import annotations
 
-import importlib
 import os
 import subprocess
 import sys
@@ -17,7 +16,7 @@ import pytest
 
 from kombu_pgjobs.core import QueueCore
 
-from .conftest import DSN, ROOT, wait_for
+from .conftest import ROOT, import_app, wait_for
 from .wirecount import WireCounter
 
 pytestmark = pytest.mark.e2e
@@ -25,15 +24,7 @@ pytestmark = pytest.mark.e2e
 
 def _app(schema: str, url: str, **env: str) -> Any:
     """Import the recorder app in this process, configured like the workers."""
-    saved = dict(os.environ)
-    os.environ.update({"PGJOBS_TEST_SCHEMA": schema, "PGJOBS_TEST_BROKER": url,
-                       "PGJOBS_TEST_DSN": DSN, **env})
-    try:
-        sys.modules.pop("tests.apps.recorder", None)
-        return importlib.import_module("tests.apps.recorder")
-    finally:  # the app read its settings at import; later tests must not inherit them
-        os.environ.clear()
-        os.environ.update(saved)
+    return import_app("tests.apps.recorder", schema, url, **env)
 
 
 def _runs(db: psycopg.Connection[Any], schema: str) -> dict[str, int]:

@@ -5,9 +5,6 @@ Overlaps and run counts are read back from the spans the tasks write to Postgres
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
 import time
 from typing import Any
 
@@ -16,7 +13,7 @@ import pytest
 
 import kombu_pgjobs
 
-from .conftest import DSN, wait_for
+from .conftest import import_app, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -31,15 +28,7 @@ def spans(db: psycopg.Connection[Any], recorder_tables: str) -> str:
 
 
 def _app(schema: str, url: str, **env: str) -> Any:
-    saved = dict(os.environ)
-    os.environ.update({"PGJOBS_TEST_SCHEMA": schema, "PGJOBS_TEST_BROKER": url,
-                       "PGJOBS_TEST_DSN": DSN, **env})
-    try:
-        sys.modules.pop(APP, None)
-        return importlib.import_module(APP)
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
+    return import_app(APP, schema, url, **env)
 
 
 def _done(db: psycopg.Connection[Any], schema: str, like: str = "%") -> int:

@@ -8,10 +8,7 @@ body and signal recording ``current_tenant()`` in Postgres.
 
 from __future__ import annotations
 
-import importlib
-import os
 import re
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -32,7 +29,7 @@ from kombu_pgjobs.errors import (
 )
 from kombu_pgjobs.limits import LIMITS_HEADER
 
-from .conftest import DSN, wait_for
+from .conftest import import_app, wait_for
 
 APP = "tests.apps.tenanted"
 
@@ -60,15 +57,7 @@ def tenant_table(db: psycopg.Connection[Any], schema: str) -> str:
 
 def _test_app(schema: str, url: str) -> Any:
     """tests/apps/tenanted.py imported for this test's schema (to publish from here)."""
-    saved = dict(os.environ)
-    os.environ.update({"PGJOBS_TEST_SCHEMA": schema, "PGJOBS_TEST_BROKER": url,
-                       "PGJOBS_TEST_DSN": DSN})
-    try:
-        sys.modules.pop(APP, None)
-        return importlib.import_module(APP)
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
+    return import_app(APP, schema, url)
 
 
 def _app(schema: str, url: str, **conf: Any) -> Celery:

@@ -293,9 +293,13 @@ SELECT count(*) FROM gone;
 
 -- name: admin_job_make_due :many
 -- `pgjobs requeue` of a delayed message: make it due now (it keeps its id, claim and attempts)
--- and wake the queue's consumers. Returns (id, queue).
+-- and wake the queue's consumers. Celery reads the ETA from the message, not from run_at, and
+-- would hold the task in memory until then: the stored message's `eta` header is cleared too
+-- (version 11). Returns (id, queue).
 UPDATE {schema}.pgjobs_job AS j
-   SET run_at = now()
+   SET run_at = now(),
+       delayed = false,
+       message = {schema}.pgjobs_without_eta_v1(j.message)
  WHERE j.id = ANY(%(ids)s::bigint[]) AND j.state = 'ready' AND j.run_at > now()
 RETURNING j.id, j.queue, pg_notify(%(channel)s, j.queue) IS NULL AS notified;
 

@@ -238,11 +238,11 @@ WITH held AS (
 ), dead AS (
     INSERT INTO {schema}.pgjobs_dead_letter
            (id, queue, priority, task, claim, attempts, max_attempts, reason, error,
-            created_at, message)
+            created_at, message, run_at, expires_at, worker)
     SELECT id, queue, priority, task, claim, attempts, max_attempts, 'max_attempts',
            jsonb_build_object('type', 'MaxAttemptsExceeded',
                               'message', 'requeued on its final attempt'),
-           created_at, message
+           created_at, message, run_at, expires_at, worker
       FROM removed WHERE outcome = 'dead'
 ), released AS (
     -- Slots of limited messages are freed (and their parked rows woken) in the same statement.
@@ -283,9 +283,9 @@ WITH dead AS (
 )
 INSERT INTO {schema}.pgjobs_dead_letter
        (id, queue, priority, task, claim, attempts, max_attempts, reason, error, created_at,
-        message)
+        message, run_at, expires_at, worker)
 SELECT id, queue, priority, task, claim, attempts, max_attempts, %(reason)s, %(error)s,
-       created_at, message
+       created_at, message, run_at, expires_at, worker
   FROM dead, (SELECT count(*) FROM released) AS r
 RETURNING id;
 
@@ -335,13 +335,13 @@ WITH lapsed AS (
 ), dead AS (
     INSERT INTO {schema}.pgjobs_dead_letter
            (id, queue, priority, task, claim, attempts, max_attempts, reason, error,
-            created_at, message)
+            created_at, message, run_at, expires_at, worker)
     SELECT id, queue, priority, task, claim, attempts, max_attempts,
            'lease_expired_final_attempt',
            jsonb_build_object('type', 'LeaseExpired',
                               'message', 'lease lapsed on the final attempt (held by '
                                          || coalesce(worker, '?') || ')'),
-           created_at, message
+           created_at, message, run_at, expires_at, worker
       FROM buried
      WHERE cancelled_at IS NULL
     RETURNING id, queue

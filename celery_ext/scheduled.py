@@ -1,0 +1,78 @@
+"""``celery inspect scheduled`` answered from Postgres.
+
+On Redis and RabbitMQ a worker holds every countdown/ETA task it received in memory until it is
+due, and ``inspect scheduled`` lists them. On pgjobs an ETA task waits in Postgres (not in any
+worker), so Celery's own answer is empty. celery_ext replaces the command (and its alias
+``dump_schedule``): a worker on pgjobs answers with the delayed messages of the queues it consumes,
+read from ``pgjobs_job`` (soonest first, at most :data:`LIMIT`), in Celery's shape
+(``{"eta", "priority", "request": {"id", "name", "args", "kwargs", "type", "hostname",
+"time_start", "acknowledged", "delivery_info", "worker_pid"}}``), followed by whatever Celery
+itself holds in memory. ``hostname``, ``time_start`` and ``worker_pid`` are None: no worker has
+the message yet.
+
+Several workers that consume the same queue each list the same messages (any of them may run
+it); dashboards that add up the replies count such a task once per worker. A worker on another
+broker answers as Celery does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery.worker import control
+
+from kombu_pgjobs.transport import Transport as PgJobsTransport
+
+__all__ = ["LIMIT", "install_scheduled"]
+
+#: the most delayed messages one reply lists
+LIMIT = 1000
+
+_celery_scheduled = control.Panel.data.get("scheduled")
+
+
+def _queues(consumer: Any) -> list[str]:
+    task_consumer = getattr(consumer, "task_consumer", None)
+    return sorted({q.name for q in getattr(task_consumer, "queues", None) or ()})
+
+
+def _entry(queue: str, priority: int, run_at: Any, headers: Any, info: Any) -> dict[str, Any]:
+    headers = headers if isinstance(headers, dict) else {}
+    info = info if isinstance(info, dict) else {}
+    return {
+        "eta": run_at.isoformat(),
+        "priority": priority,
+        "request": {
+            "id": headers.get("id"), "name": headers.get("task"),
+            "args": headers.get("argsrepr"), "kwargs": headers.get("kwargsrepr"),
+            "type": headers.get("task"), "hostname": None, "time_start": None,
+            "acknowledged": False,
+            "delivery_info": {"exchange": info.get("exchange", ""),
+                              "routing_key": info.get("routing_key", queue),
+                              "priority": priority, "redelivered": False},
+            "worker_pid": None,
+        },
+    }
+
+
+def scheduled(state: Any, **kwargs: Any) -> list[dict[str, Any]]:
+    """List of currently scheduled ETA/countdown tasks (on pgjobs: read from Postgres)."""
+    held = list(_celery_scheduled(state, **kwargs)) if _celery_scheduled else []
+    consumer = state.consumer
+    connection = getattr(consumer, "connection", None)
+    transport = getattr(connection, "transport", None)
+    queues = _queues(consumer)
+    if not isinstance(transport, PgJobsTransport) or not queues:
+        return held
+    backend = transport.backend
+    rows = backend.publishing(lambda c: c.execute(backend.core.q["scheduled_list"], {
+        "queues": queues, "limit": LIMIT}).fetchall())
+    return [_entry(queue, priority, run_at, headers, info)
+            for _, queue, priority, run_at, headers, info in rows] + held
+
+
+def install_scheduled() -> None:
+    """Replace Celery's ``scheduled`` inspect command (process-wide; idempotent)."""
+    control.Panel.data["scheduled"] = scheduled
+    if control.Panel.data.get("dump_schedule") is _celery_scheduled:
+        control.Panel.data["dump_schedule"] = scheduled

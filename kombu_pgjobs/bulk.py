@@ -1,0 +1,116 @@
+"""Bulk operator commands on live messages: ``pgjobs bulk promote`` and ``pgjobs bulk remove``.
+
+A selection is a queue, a Celery task name and/or a tenant (at least one: a bulk change never
+covers a whole schema by accident). Each call changes at most ``--limit`` rows, in batches of
+``--batch`` rows (each its own short transaction, rows another command holds skipped), and says
+what it did and what is left: ``{"affected": n, "remaining": m}``; run it again for the rest.
+
+* promote: delayed messages become due now, their Celery ``eta`` cleared (as ``pgjobs requeue``
+  of one: the worker runs them at once);
+* remove: messages no worker holds (``--state`` ready, delayed and/or waiting; default all three)
+  are deleted, counted ``cancelled``. Running messages are never removed: cancel them by id.
+
+Dead letters have their own bulk commands (``pgjobs dead requeue --all``, ``dead purge``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from .admin import Admin, _bulk_limit
+from .errors import BulkRefused, InvalidArgument
+
+__all__ = ["REMOVABLE", "bulk_promote", "bulk_remove"]
+
+#: the states ``bulk remove`` takes (``ready`` is due now)
+REMOVABLE = ("ready", "delayed", "waiting")
+
+
+def _selection(admin: Admin, queue: str | None, task: str | None,
+               tenant: str | None) -> dict[str, Any]:
+    if queue is None and task is None and tenant is None:
+        raise BulkRefused("name the messages: --queue, --task and/or --tenant")
+    if queue is not None:
+        admin.require_queue(queue)
+    return {"queue": queue, "task": task, "tenant": tenant}
+
+
+def _batched(admin: Admin, name: str, params: dict[str, Any], limit: int | None,
+             batch: int) -> int:
+    bound = _bulk_limit(limit)
+    if not 1 <= int(batch) <= 100_000:
+        raise BulkRefused(f"--batch must be between 1 and 100000, got {batch}")
+    done = 0
+    while done < bound:
+        row = admin.conn.execute(admin.q[name], {
+            **params, "limit": min(int(batch), bound - done)}).fetchone()
+        n = int(row[0]) if row else 0
+        done += n
+        if n == 0:
+            break
+    return done
+
+
+def bulk_promote(admin: Admin, *, queue: str | None = None, task: str | None = None,
+                 tenant: str | None = None, limit: int | None = None,
+                 batch: int = 1000) -> dict[str, int]:
+    params = _selection(admin, queue, task, tenant)
+    affected = _batched(admin, "bulk_promote", {**params, "channel": admin.channel}, limit,
+                        batch)
+    remaining = admin.conn.execute(admin.q["bulk_count"], {
+        **params, "states": ["delayed"]}).fetchone()
+    return {"affected": affected, "remaining": int(remaining[0]) if remaining else 0}
+
+
+def bulk_remove(admin: Admin, *, queue: str | None = None, task: str | None = None,
+                tenant: str | None = None, states: Sequence[str] | None = None,
+                limit: int | None = None, batch: int = 1000) -> dict[str, int]:
+    params = _selection(admin, queue, task, tenant)
+    wanted = list(states or REMOVABLE)
+    bad = [s for s in wanted if s not in REMOVABLE]
+    if bad:
+        raise InvalidArgument(f"--state {', '.join(bad)}: bulk remove takes "
+                              f"{', '.join(REMOVABLE)} (running messages: cancel them by id)")
+    params["states"] = wanted
+    affected = _batched(admin, "bulk_remove", {**params, "shard": admin.shard}, limit, batch)
+    remaining = admin.conn.execute(admin.q["bulk_count"], params).fetchone()
+    return {"affected": affected, "remaining": int(remaining[0]) if remaining else 0}
+
+
+def add_commands(sub: Any, common: Any, add: Any, admin: Any) -> None:
+    """Register ``pgjobs bulk promote|remove`` (called by :func:`kombu_pgjobs.cli.build_parser`
+    with its subparsers, common options, ``_add`` and ``_admin``)."""
+
+    def cmd_promote(args: Any) -> dict[str, int]:
+        """Make delayed messages of a queue, task and/or tenant due now (bounded batches)."""
+        with admin(args) as a:
+            return bulk_promote(a, queue=args.queue, task=args.task, tenant=args.tenant,
+                                limit=args.limit, batch=args.batch)
+
+    def cmd_remove(args: Any) -> dict[str, int]:
+        """Delete ready, delayed or waiting messages of a queue, task and/or tenant."""
+        states = [s.strip() for v in args.state or () for s in v.split(",") if s.strip()]
+        with admin(args) as a:
+            return bulk_remove(a, queue=args.queue, task=args.task, tenant=args.tenant,
+                               states=states or None, limit=args.limit, batch=args.batch)
+
+    def render(r: dict[str, int]) -> str:
+        more = f"; {r['remaining']} remaining: run again" if r["remaining"] else ""
+        return f"{r['affected']} messages{more}"
+
+    bulk = sub.add_parser("bulk", parents=[common],
+                          help="bulk changes to live messages: promote, remove")
+    bsub = bulk.add_subparsers(dest="bulk_command", required=True, metavar="COMMAND")
+    for name, func in (("promote", cmd_promote), ("remove", cmd_remove)):
+        p = add(bsub, name, func, render, common)
+        p.add_argument("--queue")
+        p.add_argument("--task", help="Celery task name")
+        p.add_argument("--tenant", help="the x-pgjobs-tenant header")
+        if name == "remove":
+            p.add_argument("--state", action="append",
+                           help=f"{', '.join(REMOVABLE)} (repeat or comma-separate; "
+                                "default: all three)")
+        p.add_argument("--limit", type=int, default=1000,
+                       help="most messages changed by this call (default 1000)")
+        p.add_argument("--batch", type=int, default=1000, help="rows per transaction")

@@ -1,0 +1,30 @@
+-- name: revoke_delete :many
+-- Celery's revoke broadcast (and `pgjobs cancel --task-id`): delete the delayed rows of these
+-- Celery task ids (the `id` header), through pgjobs_job_task_id_idx (version 11), counted
+-- 'revoked'. Returns (id, queue).
+WITH gone AS (
+    DELETE FROM {schema}.pgjobs_job AS j
+     WHERE (j.message -> 'headers' ->> 'id') = ANY(%(task_ids)s::text[])
+       AND j.state = 'ready' AND j.delayed
+    RETURNING j.id, j.queue
+), counted AS (
+    INSERT INTO {schema}.pgjobs_counter AS c (queue, outcome, bucket, shard, n)
+    SELECT queue, 'revoked', date_trunc('minute', now()), %(worker)s, count(*)
+      FROM gone GROUP BY queue
+    ON CONFLICT (queue, outcome, bucket, shard) DO UPDATE SET n = c.n + excluded.n
+)
+SELECT id, queue FROM gone;
+
+-- name: revoke_find :many
+-- `pgjobs cancel --task-id`: the live rows of these Celery task ids. Delayed rows through
+-- pgjobs_job_task_id_idx; the others (due, running, waiting: few, and claimed soon) by a scan
+-- of the rows that are not delayed. Returns (id, task_id).
+SELECT j.id, j.message -> 'headers' ->> 'id'
+  FROM {schema}.pgjobs_job AS j
+ WHERE (j.message -> 'headers' ->> 'id') = ANY(%(task_ids)s::text[])
+   AND j.state = 'ready' AND j.delayed
+UNION
+SELECT j.id, j.message -> 'headers' ->> 'id'
+  FROM {schema}.pgjobs_job AS j
+ WHERE (j.message -> 'headers' ->> 'id') = ANY(%(task_ids)s::text[])
+   AND NOT (j.state = 'ready' AND j.delayed);
