@@ -289,6 +289,8 @@ _ASYNC_COMMIT: weakref.WeakSet[psycopg.Connection[Any]] = weakref.WeakSet()
 _ASYNC_JOIN = ("CROSS JOIN (SELECT set_config('synchronous_commit', 'off', true)) "
                "AS async_commit\n  ")
 _ASYNC_ANCHOR = "LEFT JOIN {schema}.pgjobs_queue AS q"
+#: job_insert's constant one-row source (replaced by a CTE in QueueCore.insert_from)
+_ONE_ROW = "FROM (SELECT) AS one"
 
 
 @cache
@@ -379,12 +381,32 @@ class QueueCore:
         and nothing is written. Other messages run the plain INSERT and return None."""
         if job.guarded:
             return self.publish_batch(conn, [job])[0]
-        conn.execute(self._insert(conn, "job_insert"), {
+        conn.execute(self._insert(conn, "job_insert"), self.job_params(job))
+        return None
+
+    @staticmethod
+    def job_params(job: NewJob) -> dict[str, Any]:
+        """The parameters of ``job_insert`` (and :meth:`insert_from`) for ``job``."""
+        return {
             "queue": job.queue, "priority": job.priority, "run_at": job.run_at,
             "ttl_ms": job.ttl_ms, "max_attempts": job.max_attempts, "task": job.task,
             "limits": job.limits, "message": job.message, "tenant": job.tenant,
-        })
-        return None
+        }
+
+    def insert_from(self, source: str) -> sql.Composed:
+        """``job_insert`` reading its row from the CTE named ``source`` instead of a constant
+        row, with ``RETURNING id``: a caller writes it after a CTE that decides whether the
+        message is published at all (the scheduler's fence), so the decision and the row are
+        one statement. The row is built exactly as a publish builds it (same text, same
+        :meth:`job_params`); a guarded message (a key or a cap) has its own statement and
+        cannot be published this way."""
+        if not re.fullmatch(r"[a-z_]+", source):
+            raise ValueError(f"not a CTE name: {source!r}")
+        text = raw_queries()["job_insert"]
+        if text.count(_ONE_ROW) != 1:  # the statement changed shape: say so, never publish
+            raise RuntimeError("job_insert: cannot place the row source")
+        text = text.replace(_ONE_ROW, f"FROM {source} AS one") + "\nRETURNING id"
+        return sql.SQL(text).format(schema=sql.Identifier(self.schema))  # type: ignore[arg-type]
 
     def publish_many(self, conn: psycopg.Connection, jobs: Sequence[NewJob]) -> int:
         """Insert many messages in one statement: the batch path. Returns the number of rows

@@ -55,6 +55,20 @@ EVENTS: dict[str, tuple[str, str]] = {
     "pgjobs.limit.woken": (
         "PGJ-305", "a message parked on a concurrency key with no running holder was woken "
         "by the keeper's safety net"),
+    "pgjobs.schedule.fenced": (
+        "PGJ-620", "a scheduled fire was refused by its fence: this process no longer leads "
+        "(its term moved on or its lease lapsed), or the entry changed or was fired meanwhile; "
+        "nothing was published"),
+    "pgjobs.schedule.missed": (
+        "PGJ-621", "occurrences of a scheduled entry were missed (no leader at their time) and "
+        "were not fired, per the entry's catch-up policy"),
+    "pgjobs.schedule.failed": (
+        "PGJ-622", "a scheduled fire failed (the database or the broker): nothing was "
+        "recorded for the occurrence, which is tried again at the next tick"),
+    "pgjobs.leader.elected": ("PGJ-623", "this process leads the scheduler (INFO)"),
+    "pgjobs.leader.lost": (
+        "PGJ-624", "this process stopped leading the scheduler: another took over, its lease "
+        "lapsed or the database could not be reached to renew it"),
 }
 
 
