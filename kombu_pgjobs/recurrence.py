@@ -257,7 +257,7 @@ def cron_from_sets(minute: set[int], hour: set[int], day_of_month: set[int], mon
 def every(seconds: object) -> Every:
     if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or \
             not math.isfinite(seconds) or not 0 < seconds <= _MAX_INTERVAL:
-        raise InvalidSchedule(f"interval must be a number of seconds in (0, {_MAX_INTERVAL:g}]"
+        raise InvalidSchedule(f"interval must be a number of seconds in (0, {_MAX_INTERVAL:.0f}]"
                               f", got {seconds!r}")
     return Every(float(seconds))
 
