@@ -30,7 +30,7 @@ SCHEDULER_VERSION = 9
 
 @contextmanager
 def _store(args: argparse.Namespace) -> Iterator[tuple[psycopg.Connection[Any], ScheduleStore]]:
-    from .cli import _admin  # noqa: PLC0415 (cli imports this module to register it)
+    from .cli import _admin  # (cli imports this module to register it)
 
     with _admin(args) as admin:
         version = admin.check_schema()
@@ -46,7 +46,7 @@ def _next_due(entry: EntryRow) -> datetime | None:
     try:
         rec = parse_schedule(entry.schedule, entry.timezone or "UTC")
         return rec.next_after(entry.watermark, entry.anchor)
-    except Exception:  # noqa: BLE001 (a row written by hand: show it, without a next due)
+    except Exception:  # (a row written by hand: show it, without a next due)
         return None
 
 
@@ -69,7 +69,7 @@ def cmd_schedule_ls(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _render_ls(result: dict[str, Any]) -> str:
-    from .cli import _table, _ts  # noqa: PLC0415
+    from .cli import _table, _ts
 
     lead = result["leader"]
     head = "leader: none yet" if lead is None else (
@@ -157,7 +157,7 @@ def cmd_schedule_history(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _render_history(r: dict[str, Any]) -> str:
-    from .cli import _table, _ts  # noqa: PLC0415
+    from .cli import _table, _ts
 
     rows = [{**f, "occurrence": _ts(f["occurrence"]), "fired_at": _ts(f["fired_at"])}
             for f in r["fires"]]
@@ -168,7 +168,7 @@ def _render_history(r: dict[str, Any]) -> str:
 
 def add_schedule_commands(sub: Any, common: argparse.ArgumentParser) -> None:
     """Register ``pgjobs schedule ...`` on the CLI's subparsers."""
-    from .cli import _add  # noqa: PLC0415
+    from .cli import _add
 
     sched = sub.add_parser("schedule", parents=[common],
                            help="leader scheduler entries: ls, add, pause, resume, remove, "

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from datetime import timedelta
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -97,7 +98,7 @@ def _assert_once_each_none_missing(db: psycopg.Connection[Any], schema: str) -> 
     doubled = [(o, n) for o, n in occ if n != 1]
     assert not doubled, f"occurrences fired more than once: {doubled}"
     # catch-up 'all' on a 1-second grid: every second between the first and the last fired
-    steps = [(b[0] - a[0]) for a, b in zip(occ, occ[1:], strict=False)]
+    steps = [(b[0] - a[0]) for a, b in pairwise(occ)]
     assert all(s == timedelta(seconds=1) for s in steps), f"gaps in the grid: {steps}"
     history = db.execute(f'SELECT count(*), count(DISTINCT occurrence) FROM "{schema}".'
                          "pgjobs_schedule_fire WHERE entry = 'tick'").fetchone()
