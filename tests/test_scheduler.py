@@ -18,8 +18,8 @@ from celery_ext.scheduler import LeaderScheduler
 from kombu_pgjobs.cli import main as cli
 from kombu_pgjobs.core import QueueCore, job_from_message
 from kombu_pgjobs.recurrence import catch_up_plan, parse_schedule
-from kombu_pgjobs.schema import migrate
 from kombu_pgjobs.scheduling import EntryDef, ScheduleStore
+from kombu_pgjobs.schema import migrate
 
 from .conftest import wait_for
 
