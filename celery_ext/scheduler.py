@@ -410,7 +410,7 @@ class LeaderScheduler(beat.Scheduler):
             elif lease.version != self._version:
                 self._load(lease)
             return self._fire_due(lease, idle)
-        except (psycopg.Error, PgJobsError) as exc:
+        except Exception as exc:  # the database, the broker, an entry: never kill beat
             log_event("pgjobs.schedule.failed", error=one_line(exc))
             if self._conn is not None and (self._conn.closed or self._conn.broken):
                 self._conn = None
@@ -468,7 +468,12 @@ class LeaderScheduler(beat.Scheduler):
         else:
             done = self.store.fire(conn, **fields)
             if done is not None:
-                self._send(row, headers)  # after the watermark commits: at most once
+                try:  # after the watermark committed: at most once (docs/scheduler.md)
+                    self._send(row, headers)
+                except Exception as exc:
+                    log_event("pgjobs.schedule.failed", logging.ERROR, entry=row.name,
+                              occurrence=occurrence.isoformat(), lost=True,
+                              error=one_line(exc))
         if done is None:
             log_event("pgjobs.schedule.fenced", entry=row.name, term=lease.term,
                       occurrence=occurrence.isoformat())
