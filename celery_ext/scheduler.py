@@ -257,12 +257,13 @@ class Elector:
             self._stop.wait(self.interval)
 
     def round(self) -> None:
-        sent = time.monotonic()
-        wall = time.time()
         lease: Lease | None = None
+        sent = wall = 0.0
         try:
             if self._conn is None or self._conn.closed or self._conn.broken:
                 self._conn = self.db.connect()
+            sent = time.monotonic()  # the lease runs from no earlier than this
+            wall = time.time()
             lease = self.store.elect(self._conn, self.holder, self.ttl)
         except (psycopg.Error, PgJobsError) as exc:
             self._drop()
@@ -399,7 +400,7 @@ class LeaderScheduler(beat.Scheduler):
         idle = self.elector.interval
         lease = self.elector.current()
         if lease is None or not lease.leading:
-            self._term = None
+            # _term is kept: leading again in the same term means nobody else led meanwhile
             return idle
         try:
             if lease.term != self._term:
