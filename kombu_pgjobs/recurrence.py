@@ -119,8 +119,7 @@ class Cron:
 
     def _wall_times(self, start: date) -> Iterator[datetime]:
         day = start
-        end = start.replace(year=start.year + _SEARCH_YEARS) if not (
-            start.month == 2 and start.day == 29) else start + timedelta(days=365 * 30)
+        end = start + timedelta(days=366 * _SEARCH_YEARS)
         hours = sorted(self.hour)
         minutes = sorted(self.minute)
         while day <= end:
@@ -295,71 +294,64 @@ class Plan:
     next_due: datetime
 
 
+def _missed(rec: Recurrence, watermark: datetime, anchor: datetime, until: datetime,
+            policy: str, cap: int) -> tuple[int, list[datetime], datetime]:
+    """The occurrences in (watermark, until]: how many, the ones ``policy`` fires, the latest.
+    Intervals are counted arithmetically (a month down on a 1-second entry costs nothing); a
+    crontab is walked, up to 100,000 occurrences."""
+    if isinstance(rec, Every):
+        n = rec.count_between(watermark, until, anchor)
+        last = rec.last_at_or_before(until, anchor)
+        assert last is not None  # n >= 1: the caller saw the first one
+        first = rec.next_after(watermark, anchor)
+        every_ = timedelta(seconds=rec.seconds)
+        newest = [last - every_ * i for i in range(min(n, cap) - 1, -1, -1)]
+    else:
+        window = rec.occurrences(watermark, until, 100_000)
+        n, first, last, newest = len(window), window[0], window[-1], window[-cap:]
+    chosen = newest if policy == "all" else [first] if policy == "once" else [last]
+    return n, chosen, last
+
+
 def catch_up_plan(rec: Recurrence, watermark: datetime, anchor: datetime, now: datetime, *,
                   policy: str, cap: int, grace: float, latest: bool = True) -> Plan:
     """The fires due at ``now`` for an entry whose last accounted occurrence is ``watermark``.
 
-    An occurrence at most ``grace`` seconds old is on time and fires whatever the policy. Older
-    ones were missed (the scheduler was down, or no leader):
+    An occurrence at most ``grace`` seconds old is on time and fires whatever the policy (up to
+    ``cap`` of them). Older ones were missed (the scheduler was down, or had no leader):
 
     * ``skip``: none of them fires, except the latest when ``latest`` (the default; what
-      celery beat does after downtime) and nothing on time fires now;
-    * ``once``: one run for all of them, carrying the first missed occurrence and the count;
+      celery beat does after downtime) and nothing on time fires now; otherwise the first
+      on-time fire carries their count;
+    * ``once``: one run for all of them, for the first missed occurrence, with the count;
     * ``all``: every one, oldest first, at most ``cap`` (the newest ``cap``; the older are
-      counted as missed on the first fire).
+      counted in the first fire's ``missed``).
     """
-    on_time_from = now - timedelta(seconds=grace)
-    fires: list[tuple[datetime, datetime, int]] = []
     first = rec.next_after(watermark, anchor)
     if first > now:
         return Plan([], first)
-    missed: list[datetime] = []
-    n_missed = 0
-    if first < on_time_from:
-        if isinstance(rec, Every):
-            n_missed = rec.count_between(watermark, on_time_from - timedelta(microseconds=1),
-                                         anchor)
-            last = rec.last_at_or_before(on_time_from - timedelta(microseconds=1), anchor)
-            if policy == "all":
-                k = min(n_missed, cap)
-                missed = [last - timedelta(seconds=rec.seconds * i)  # type: ignore[operator]
-                          for i in range(k - 1, -1, -1)]
-            elif policy == "once":
-                missed = [first]
-            elif last is not None:
-                missed = [last]
-        else:
-            window = rec.occurrences(watermark, on_time_from - timedelta(microseconds=1),
-                                     100_000)
-            n_missed = len(window)
-            missed = window[-cap:] if policy == "all" else (
-                window[:1] if policy == "once" else window[-1:])
+    missed_until = now - timedelta(seconds=grace) - timedelta(microseconds=1)
+    n_missed, chosen, last_missed = (0, [], watermark)
+    if first <= missed_until:
+        n_missed, chosen, last_missed = _missed(rec, watermark, anchor, missed_until, policy,
+                                                cap)
     on_time: list[datetime] = []
-    t = max(watermark, on_time_from - timedelta(microseconds=1))
-    while True:
+    t = max(watermark, missed_until)
+    while len(on_time) < cap:
         t = rec.next_after(t, anchor)
         if t > now:
             break
         on_time.append(t)
-        if len(on_time) >= cap:
-            break
-    if missed:
-        last_missed = rec.last_at_or_before(on_time_from - timedelta(microseconds=1), anchor) \
-            if isinstance(rec, Every) else None
-        watermark_missed = last_missed or missed[-1]
-        if policy == "all":
-            skipped = n_missed - len(missed)
-            fires += [(occ, occ, skipped if i == 0 else 0) for i, occ in enumerate(missed)]
-        elif policy == "once":
-            fires.append((missed[0], watermark_missed, n_missed))
-        elif latest and not on_time:
-            fires.append((watermark_missed, watermark_missed, n_missed - 1))
-        elif on_time:
-            # skipped: the first on-time fire carries the count and moves past them
-            pass
-    skipped_before_on_time = n_missed if (missed and policy == "skip" and on_time) else 0
-    skipped_before_on_time += n_missed if (not missed and n_missed) else 0
-    for i, occ in enumerate(on_time):
-        fires.append((occ, occ, skipped_before_on_time if i == 0 else 0))
+    fires: list[tuple[datetime, datetime, int]] = []
+    carried = 0  # missed occurrences the first on-time fire reports
+    if n_missed and policy == "all":
+        fires = [(o, o, n_missed - len(chosen) if i == 0 else 0) for i, o in enumerate(chosen)]
+    elif n_missed and policy == "once":
+        fires = [(chosen[0], last_missed, n_missed)]
+    elif n_missed and latest and not on_time:
+        fires = [(last_missed, last_missed, n_missed - 1)]
+    else:
+        carried = n_missed
+    fires += [(o, o, carried if i == 0 else 0) for i, o in enumerate(on_time)]
     last_fired = fires[-1][1] if fires else watermark
     return Plan(fires, rec.next_after(max(last_fired, now), anchor))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -251,7 +251,3 @@ class ScheduleStore:
         row = conn.execute(sql.Composed(parts), params).fetchone()
         return None if row is None else (int(row[0]), row[1])
 
-
-def jsonable(value: Mapping[str, Any]) -> dict[str, Any]:
-    """``value`` as stored (JSON round trip): what a comparison with the table sees."""
-    return dict(json.loads(json.dumps(value)))
