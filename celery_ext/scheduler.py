@@ -222,6 +222,14 @@ class Database:
         return conn
 
 
+def _close(conn: psycopg.Connection[Any] | None) -> None:
+    if conn is not None:
+        try:
+            conn.close()
+        except psycopg.Error:
+            pass
+
+
 # -- leadership ------------------------------------------------------------------------------
 class Elector:
     """Takes or renews the lease every ``ttl / 3`` seconds on its own connection and thread,
@@ -297,11 +305,7 @@ class Elector:
             return lease
 
     def _drop(self) -> None:
-        if self._conn is not None:
-            try:
-                self._conn.close()
-            except psycopg.Error:
-                pass
+        _close(self._conn)
         self._conn = None
 
     def stop(self) -> None:
@@ -489,10 +493,6 @@ class LeaderScheduler(beat.Scheduler):
     def close(self) -> None:
         if self.elector is not None:
             self.elector.stop()
-        if self._conn is not None:
-            try:
-                self._conn.close()
-            except psycopg.Error:
-                pass
-            self._conn = None
+        _close(self._conn)
+        self._conn = None
         super().close()

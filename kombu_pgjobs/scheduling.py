@@ -61,18 +61,11 @@ class EntryDef:
     catch_up_max: int = DEFAULT_CATCH_UP_MAX
 
 
-@dataclass(frozen=True, slots=True)
-class EntryRow:
-    name: str
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EntryRow(EntryDef):
+    """An entry as the table holds it: its definition and its state."""
+
     source: str
-    task: str
-    schedule: str
-    timezone: str | None
-    args: list[Any]
-    kwargs: dict[str, Any]
-    options: dict[str, Any]
-    catch_up: str
-    catch_up_max: int
     paused: bool
     anchor: datetime
     last_occurrence: datetime | None
@@ -122,8 +115,14 @@ def validate_entry(entry: EntryDef) -> EntryDef:
     return entry
 
 
+#: the columns of schedule_load, in order
+_COLUMNS = ("name", "source", "task", "schedule", "timezone", "args", "kwargs", "options",
+            "catch_up", "catch_up_max", "paused", "anchor", "last_occurrence", "last_fired_at",
+            "fires", "updated_at")
+
+
 def _row(r: Sequence[Any]) -> EntryRow:
-    return EntryRow(*r)
+    return EntryRow(**dict(zip(_COLUMNS, r, strict=True)))
 
 
 class ScheduleStore:

@@ -20,19 +20,14 @@ from typing import Any
 import psycopg
 import pytest
 
-from .conftest import DSN, ROOT, wait_for
+from .conftest import DSN, ROOT, Worker, wait_for
 
 APP = "tests.apps.scheduled"
 TTL = 3.0
 
 
-class Beat:
-    def __init__(self, proc: subprocess.Popen[bytes], log: Path) -> None:
-        self.proc = proc
-        self.log = log
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace") if self.log.exists() else ""
+class Beat(Worker):
+    """A real `celery beat` subprocess (its own process group)."""
 
     def signal(self, sig: int) -> None:
         try:
