@@ -329,7 +329,10 @@ class Elector:
 class Loaded:
     row: EntryRow
     rec: Recurrence
+    #: where plans start: the durable watermark, or past occurrences skipped without a fire
     watermark: datetime
+    #: occurrences skipped without a fire since the durable watermark (reported by the next)
+    carried: int = 0
 
 
 class LeaderScheduler(beat.Scheduler):
@@ -434,14 +437,20 @@ class LeaderScheduler(beat.Scheduler):
                                  policy=entry.row.catch_up, cap=entry.row.catch_up_max,
                                  grace=self.settings.grace,
                                  latest=bool(opts.get("pgjobs_catch_up_latest", True)))
-            for occurrence, watermark, missed in plan.fires:
-                if missed:
+            if plan.skipped is not None:  # not walked again next tick
+                entry.watermark, entry.carried = plan.skipped[0], \
+                    entry.carried + plan.skipped[1]
+                log_event("pgjobs.schedule.missed", entry=name, count=plan.skipped[1],
+                          policy=entry.row.catch_up)
+            for i, (occurrence, watermark, missed) in enumerate(plan.fires):
+                if missed:  # (the carried ones were logged when they were skipped)
                     log_event("pgjobs.schedule.missed", entry=name, count=missed,
                               policy=entry.row.catch_up)
+                missed += entry.carried if i == 0 else 0
                 if not self._fire(lease, entry, occurrence, watermark, missed):
                     self._term = None  # fenced: reload (or step down) before firing again
-                    return 0.0
-                entry.watermark = watermark
+                    return min(0.25, idle)
+                entry.watermark, entry.carried = watermark, 0
             wake = min(wake, plan.next_due)
         return max(0.0, min((wake - self.now()).total_seconds(), idle))
 

@@ -292,6 +292,10 @@ class Plan:
     fires: list[tuple[datetime, datetime, int]]
     #: the next occurrence after what this plan fires
     next_due: datetime
+    #: (latest, count) of missed occurrences skipped without a fire now (``skip`` without
+    #: ``latest``): the caller may plan from ``latest`` next time instead of walking them
+    #: again, and report ``count`` with the next fire
+    skipped: tuple[datetime, int] | None = None
 
 
 def _missed(rec: Recurrence, watermark: datetime, anchor: datetime, until: datetime,
@@ -354,4 +358,5 @@ def catch_up_plan(rec: Recurrence, watermark: datetime, anchor: datetime, now: d
         carried = n_missed
     fires += [(o, o, carried if i == 0 else 0) for i, o in enumerate(on_time)]
     last_fired = fires[-1][1] if fires else watermark
-    return Plan(fires, rec.next_after(max(last_fired, now), anchor))
+    skipped = (last_missed, n_missed) if n_missed and not fires else None
+    return Plan(fires, rec.next_after(max(last_fired, now), anchor), skipped)
