@@ -169,14 +169,19 @@ def static_entries(app: Any) -> list[EntryDef]:
                                        "'schedule'")
         options = dict(spec.get("options") or {})
         tz = options.get("pgjobs_timezone", default_tz)
-        zone(tz)
-        entry = EntryDef(
-            name=name, task=spec["task"], schedule=_schedule_text(name, spec["schedule"], tz),
-            timezone=tz, args=list(spec.get("args") or ()),
-            kwargs=dict(spec.get("kwargs") or {}), options=options,
-            catch_up=options.get("pgjobs_catch_up", "skip"),
-            catch_up_max=options.get("pgjobs_catch_up_max", DEFAULT_CATCH_UP_MAX))
-        found.append(validate_entry(entry))
+        try:
+            zone(tz)
+            entry = EntryDef(
+                name=name, task=spec["task"],
+                schedule=_schedule_text(name, spec["schedule"], tz), timezone=tz,
+                args=list(spec.get("args") or ()), kwargs=dict(spec.get("kwargs") or {}),
+                options=options, catch_up=options.get("pgjobs_catch_up", "skip"),
+                catch_up_max=options.get("pgjobs_catch_up_max", DEFAULT_CATCH_UP_MAX))
+            found.append(validate_entry(entry))
+        except PgJobsError as exc:
+            if exc.message.startswith("entry "):
+                raise
+            raise type(exc)(f"beat_schedule entry {name!r}: {exc.message}") from None
     return found
 
 
