@@ -20,7 +20,8 @@ Settings
 ========
 ``pgjobs_scheduler_lease_ttl_seconds`` (15), ``pgjobs_scheduler_grace_seconds`` (60),
 ``pgjobs_scheduler_url`` (the database when the broker is not pgjobs),
-``pgjobs_scheduler_schema`` (default: the broker's schema option, else ``pgjobs``).
+``pgjobs_scheduler_schema`` (default: the broker's schema option, else ``pgjobs``),
+``pgjobs_scheduler_history_days`` (14: the leader deletes older fires once an hour).
 
 Design
 ======
@@ -108,13 +109,15 @@ class Settings:
     grace: float
     url: str | None
     schema: str | None
+    history_days: int
 
     @classmethod
     def from_conf(cls, conf: Any) -> Settings:
         return cls(
             _setting(conf, "pgjobs_scheduler_lease_ttl_seconds", 15.0, 0.3, 3600.0),
             _setting(conf, "pgjobs_scheduler_grace_seconds", 60.0, 0.0, 86400.0),
-            conf.get("pgjobs_scheduler_url"), conf.get("pgjobs_scheduler_schema"))
+            conf.get("pgjobs_scheduler_url"), conf.get("pgjobs_scheduler_schema"),
+            int(_setting(conf, "pgjobs_scheduler_history_days", 14, 1, 3650)))
 
 
 # -- the app's beat_schedule ---------------------------------------------------------------
@@ -364,6 +367,7 @@ class LeaderScheduler(beat.Scheduler):
         self._entries: dict[str, Loaded] = {}
         self._term: int | None = None
         self._version: tuple[int, datetime | None] | None = None
+        self._next_prune = 0.0  # monotonic time of the leader's next history prune
         self.elector = Elector(self.store, self.db, self.holder, self.settings.lease_ttl)
         self.elector.start()
         self.elector.wait_first_round(min(5.0, self.settings.lease_ttl))
@@ -422,6 +426,9 @@ class LeaderScheduler(beat.Scheduler):
                 self._term = lease.term
             elif lease.version != self._version:
                 self._load(lease)
+            if time.monotonic() >= self._next_prune:
+                self._next_prune = time.monotonic() + 3600.0
+                self.store.prune_history(self._connection(), self.settings.history_days)
             return self._fire_due(lease, idle)
         except Exception as exc:  # the database, the broker, an entry: never kill beat
             log_event("pgjobs.schedule.failed", error=one_line(exc))

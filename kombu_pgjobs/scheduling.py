@@ -222,6 +222,13 @@ class ScheduleStore:
         keys = ("id", "entry", "occurrence", "fired_at", "term", "holder", "job_id", "missed")
         return [dict(zip(keys, r, strict=True)) for r in rows]
 
+    def prune_history(self, conn: psycopg.Connection[Any], days: int,
+                      limit: int = 10_000) -> int:
+        """Delete fires older than ``days`` days (at most ``limit``); the number deleted."""
+        row = conn.execute(self.q["schedule_prune_history"], {"days": days, "n": limit}
+                           ).fetchone()
+        return int(row[0]) if row else 0
+
     # -- fires ---------------------------------------------------------------------------
     def fire(self, conn: psycopg.Connection[Any], *, holder: str, term: int, entry: EntryRow,
              occurrence: datetime, watermark: datetime, missed: int,

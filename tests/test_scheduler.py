@@ -463,3 +463,16 @@ def test_leader_that_loses_the_database_is_replaced(db, dsn, schema, url):
         leader.close()
         if follower is not None:
             follower.close()
+
+
+def test_history_retention(db, schema, scheduler):
+    """The leader deletes fires older than pgjobs_scheduler_history_days, newer ones stay."""
+    migrate(db, schema)
+    db.execute(f'INSERT INTO "{schema}".pgjobs_schedule_fire '
+               "(entry, occurrence, fired_at, term, holder) "
+               "SELECT 'e', now() - make_interval(days => d), now() - make_interval(days => d),"
+               " 1, 'h' FROM generate_series(1, 10) AS d")
+    s = scheduler({}, pgjobs_scheduler_history_days=3)
+    s.tick()
+    left = db.execute(f'SELECT count(*) FROM "{schema}".pgjobs_schedule_fire').fetchone()[0]
+    assert left == 2  # 1 and 2 days old

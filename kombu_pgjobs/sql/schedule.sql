@@ -166,3 +166,17 @@ SELECT id, entry, occurrence, fired_at, term, holder, job_id, missed
  WHERE entry = %(name)s
  ORDER BY occurrence DESC
  LIMIT %(n)s;
+
+-- name: schedule_prune_history :one
+-- The leader's hourly retention of the fire history: fires older than %(days)s days, at most
+-- %(n)s per call (pgjobs_schedule_fire_fired_idx finds them). Returns the number deleted.
+WITH old AS (
+    SELECT id FROM {schema}.pgjobs_schedule_fire
+     WHERE fired_at < now() - make_interval(days => %(days)s)
+     ORDER BY fired_at
+     LIMIT %(n)s
+), gone AS (
+    DELETE FROM {schema}.pgjobs_schedule_fire AS f USING old WHERE f.id = old.id
+    RETURNING 1
+)
+SELECT count(*) FROM gone;
