@@ -26,7 +26,7 @@ import math
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
-from datetime import date, datetime, timedelta, timezone
+from datetime import datetime, timedelta, timezone
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from .errors import InvalidCatchUp, InvalidSchedule, UnknownTimezone
@@ -117,17 +117,23 @@ class Cron:
     #: the hour field is "*": the repeated fall-back hour fires on both passes
     every_hour: bool
 
-    def _wall_times(self, start: date) -> Iterator[datetime]:
-        day = start
-        end = start + timedelta(days=366 * _SEARCH_YEARS)
+    def _wall_times(self, start: datetime) -> Iterator[datetime]:
+        """Matching wall times from ``start`` (naive local) on, in order."""
+        day = start.date()
+        end = day + timedelta(days=366 * _SEARCH_YEARS)
         hours = sorted(self.hour)
         minutes = sorted(self.minute)
         while day <= end:
             if day.month in self.month and day.day in self.day_of_month and \
                     (day.isoweekday() % 7) in self.day_of_week:
+                first_day = day == start.date()
                 for h in hours:
+                    if first_day and h < start.hour:
+                        continue
                     for m in minutes:
-                        yield datetime(day.year, day.month, day.day, h, m)
+                        wall = datetime(day.year, day.month, day.day, h, m)
+                        if wall >= start:
+                            yield wall
             day += timedelta(days=1)
 
     def instants(self, wall: datetime) -> list[datetime]:
@@ -152,9 +158,10 @@ class Cron:
 
     def next_after(self, after: datetime, anchor: datetime | None = None) -> datetime:
         tz = zone(self.tz)
-        local = after.astimezone(tz)
-        # start a day early: a gap's end instant can belong to an earlier wall time
-        for wall in self._wall_times(local.date() - timedelta(days=1)):
+        local = after.astimezone(tz).replace(tzinfo=None, second=0, microsecond=0)
+        # a wall time before this one fires no later than ``after`` (a gap's wall times fire
+        # at its end, which is no later than the first wall time after the gap)
+        for wall in self._wall_times(local):
             for instant in self.instants(wall):
                 if instant > after:
                     return instant
