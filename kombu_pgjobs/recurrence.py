@@ -158,13 +158,34 @@ class Cron:
 
     def next_after(self, after: datetime, anchor: datetime | None = None) -> datetime:
         tz = zone(self.tz)
-        local = after.astimezone(tz).replace(tzinfo=None, second=0, microsecond=0)
-        # a wall time before this one fires no later than ``after`` (a gap's wall times fire
-        # at its end, which is no later than the first wall time after the gap)
+        aware = after.astimezone(tz)
+        local = aware.replace(tzinfo=None, second=0, microsecond=0)
+        if aware.fold == 0 and local.replace(tzinfo=tz, fold=1).utcoffset() != \
+                aware.utcoffset():
+            # on the first pass of a repeated hour: the second pass of the wall times before
+            # this one is still ahead
+            local -= timedelta(hours=2)
+        # A wall time before ``local`` fires no later than ``after`` (a gap's wall times fire
+        # at its end, which is no later than the first wall time after the gap). Instants
+        # follow wall order except in the repeated fall-back hour, where a later wall time's
+        # first pass comes before an earlier one's second: there, look on to the hour's end.
+        best: datetime | None = None
+        horizon: datetime | None = None
         for wall in self._wall_times(local):
-            for instant in self.instants(wall):
-                if instant > after:
-                    return instant
+            if horizon is not None and wall > horizon:
+                break
+            instants = self.instants(wall)
+            for instant in instants:
+                if instant > after and (best is None or instant < best):
+                    best = instant
+            if best is not None and horizon is None:
+                repeated = wall.replace(tzinfo=tz, fold=0).utcoffset() != \
+                    wall.replace(tzinfo=tz, fold=1).utcoffset()
+                if not repeated:
+                    return best
+                horizon = wall + timedelta(hours=2)  # no zone repeats more than that
+        if best is not None:
+            return best
         raise InvalidSchedule(f"crontab {self.text!r} never matches a real date")
 
     def occurrences(self, after: datetime, until: datetime, limit: int) -> list[datetime]:

@@ -476,3 +476,56 @@ def test_history_retention(db, schema, scheduler):
     s.tick()
     left = db.execute(f'SELECT count(*) FROM "{schema}".pgjobs_schedule_fire').fetchone()[0]
     assert left == 2  # 1 and 2 days old
+
+
+def _reference_fires(text: str, tz: str, start: datetime, hours: int) -> list[datetime]:
+    """The documented DST rules applied minute by minute, independently of the scheduler's
+    search: a matching wall time fires on its first pass (on both passes when the hour field
+    is '*'); matching wall times skipped by a gap fire once, at the gap's end."""
+    from zoneinfo import ZoneInfo
+
+    cron = parse_schedule(text, tz)
+    zi = ZoneInfo(tz)
+
+    def matches(w: datetime) -> bool:
+        return (w.minute in cron.minute and w.hour in cron.hour and w.day in cron.day_of_month
+                and w.month in cron.month and w.isoweekday() % 7 in cron.day_of_week)
+
+    fires = []
+    t = start
+    prev = (t - timedelta(minutes=1)).astimezone(zi)
+    while t < start + timedelta(hours=hours):
+        local = t.astimezone(zi)
+        wall = local.replace(tzinfo=None)
+        expected_prev = prev.replace(tzinfo=None) + timedelta(minutes=1)
+        skipped = []
+        while expected_prev < wall:  # a gap: wall times that never happen
+            skipped.append(expected_prev)
+            expected_prev += timedelta(minutes=1)
+        if (matches(wall) and (local.fold == 0 or cron.every_hour)) or \
+                any(matches(w) for w in skipped):
+            fires.append(t)
+        prev = local
+        t += timedelta(minutes=1)
+    return fires
+
+
+@pytest.mark.parametrize("tz", ["America/New_York", "Europe/Berlin", "Australia/Lord_Howe"])
+@pytest.mark.parametrize("text", ["*/15 * * * *", "30 2 * * *", "0 * * * *", "30 1 * * *",
+                                  "5,35 0-3 * * *", "0 2 * * *"])
+@pytest.mark.parametrize("day", ["spring", "fall"])
+def test_dst_matches_the_documented_rules_minute_by_minute(tz, text, day):
+    days = {("America/New_York", "spring"): "2026-03-07T20:00", ("America/New_York", "fall"):
+            "2026-10-31T20:00", ("Europe/Berlin", "spring"): "2026-03-28T20:00",
+            ("Europe/Berlin", "fall"): "2026-10-24T20:00",
+            # a half-hour shift: 02:00 -> 02:30 in October, 02:00 -> 01:30 in April
+            ("Australia/Lord_Howe", "spring"): "2026-10-03T20:00",
+            ("Australia/Lord_Howe", "fall"): "2026-04-04T20:00"}
+    from zoneinfo import ZoneInfo
+    start = datetime.fromisoformat(days[tz, day]).replace(tzinfo=ZoneInfo(tz)).astimezone(UTC)
+    hours = 12
+    expected = _reference_fires(text, tz, start, hours)
+    rec = parse_schedule(text, tz)
+    got = rec.occurrences(start - timedelta(seconds=1), start + timedelta(hours=hours)
+                          - timedelta(seconds=1), 10_000)
+    assert got == expected
