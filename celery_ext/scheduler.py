@@ -92,6 +92,8 @@ UTC = timezone.utc
 ENTRY_HEADER = "pgjobs_schedule_entry"
 OCCURRENCE_HEADER = "pgjobs_schedule_occurrence"
 MISSED_HEADER = "pgjobs_schedule_missed"
+#: a fire that failed for its entry's own reason is tried again after this long
+ENTRY_RETRY_SECONDS = 10.0
 
 
 def _setting(conf: Any, name: str, default: float, low: float, high: float) -> float:
@@ -341,6 +343,8 @@ class Loaded:
     watermark: datetime
     #: occurrences skipped without a fire since the durable watermark (reported by the next)
     carried: int = 0
+    #: monotonic time before which a failed entry is not tried again
+    retry_at: float = 0.0
 
 
 class LeaderScheduler(beat.Scheduler):
@@ -440,31 +444,46 @@ class LeaderScheduler(beat.Scheduler):
     def _fire_due(self, lease: Lease, idle: float) -> float:
         now = self.now()
         wake = now + timedelta(seconds=idle)
-        for name in list(self._entries):
-            entry = self._entries[name]
-            if entry.row.paused:
+        for name, entry in list(self._entries.items()):
+            if entry.row.paused or time.monotonic() < entry.retry_at:
                 continue
-            opts = entry.row.options
-            plan = catch_up_plan(entry.rec, entry.watermark, entry.row.anchor, now,
-                                 policy=entry.row.catch_up, cap=entry.row.catch_up_max,
-                                 grace=self.settings.grace,
-                                 latest=bool(opts.get("pgjobs_catch_up_latest", True)))
-            if plan.skipped is not None:  # not walked again next tick
-                entry.watermark, entry.carried = plan.skipped[0], \
-                    entry.carried + plan.skipped[1]
-                log_event("pgjobs.schedule.missed", entry=name, count=plan.skipped[1],
-                          policy=entry.row.catch_up)
-            for i, (occurrence, watermark, missed) in enumerate(plan.fires):
-                if missed:  # (the carried ones were logged when they were skipped)
-                    log_event("pgjobs.schedule.missed", entry=name, count=missed,
-                              policy=entry.row.catch_up)
-                missed += entry.carried if i == 0 else 0
-                if not self._fire(lease, entry, occurrence, watermark, missed):
-                    self._term = None  # fenced: reload (or step down) before firing again
-                    return min(0.25, idle)
-                entry.watermark, entry.carried = watermark, 0
-            wake = min(wake, plan.next_due)
+            try:
+                due = self._fire_entry(lease, entry, now)
+            except Exception as exc:
+                if self._conn is None or self._conn.closed or self._conn.broken:
+                    raise  # the connection: the whole round fails (tick)
+                # this entry's mistake (a message it cannot send): the others go on
+                entry.retry_at = time.monotonic() + ENTRY_RETRY_SECONDS
+                log_event("pgjobs.schedule.failed", entry=name, error=one_line(exc),
+                          retry_in=ENTRY_RETRY_SECONDS)
+                continue
+            if due is None:
+                self._term = None  # fenced: reload (or step down) before firing again
+                return min(0.25, idle)
+            wake = min(wake, due)
         return max(0.0, min((wake - self.now()).total_seconds(), idle))
+
+    def _fire_entry(self, lease: Lease, entry: Loaded, now: datetime) -> datetime | None:
+        """Fire what is due for one entry; its next due time, or None when a fire was
+        fenced."""
+        plan = catch_up_plan(entry.rec, entry.watermark, entry.row.anchor, now,
+                             policy=entry.row.catch_up, cap=entry.row.catch_up_max,
+                             grace=self.settings.grace,
+                             latest=bool(entry.row.options.get("pgjobs_catch_up_latest", True)))
+        name = entry.row.name
+        if plan.skipped is not None:  # not walked again next tick
+            entry.watermark, entry.carried = plan.skipped[0], entry.carried + plan.skipped[1]
+            log_event("pgjobs.schedule.missed", entry=name, count=plan.skipped[1],
+                      policy=entry.row.catch_up)
+        for i, (occurrence, watermark, missed) in enumerate(plan.fires):
+            if missed:  # (the carried ones were logged when they were skipped)
+                log_event("pgjobs.schedule.missed", entry=name, count=missed,
+                          policy=entry.row.catch_up)
+            missed += entry.carried if i == 0 else 0
+            if not self._fire(lease, entry, occurrence, watermark, missed):
+                return None
+            entry.watermark, entry.carried = watermark, 0
+        return plan.next_due
 
     def _send(self, row: EntryRow, headers: dict[str, Any]) -> Any:
         options = {k: v for k, v in row.options.items() if not k.startswith("pgjobs_")}

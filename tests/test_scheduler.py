@@ -529,3 +529,23 @@ def test_dst_matches_the_documented_rules_minute_by_minute(tz, text, day):
     got = rec.occurrences(start - timedelta(seconds=1), start + timedelta(hours=hours)
                           - timedelta(seconds=1), 10_000)
     assert got == expected
+
+
+def test_an_entry_that_cannot_fire_does_not_block_the_others(db, schema, scheduler, caplog):
+    """A scheduled message with an idempotency key is refused (PGJ-604, logged as
+    pgjobs.schedule.failed); the other entries fire, and the refused one's occurrence is
+    neither recorded nor its watermark moved."""
+    clock = Clock()
+    s = scheduler({"keyed": {"task": "t", "schedule": 10.0, "options": {
+                       "headers": {"x-pgjobs-idempotency-key": "k"}}},
+                   "plain": {"task": "t", "schedule": 10.0}}, clock)
+    s.tick()
+    clock.now = max(e.row.anchor for e in s._entries.values()) + timedelta(seconds=11)
+    with caplog.at_level("WARNING"):
+        s.tick()
+    assert len(_fired(db, schema, "plain")) == 1
+    assert _fired(db, schema, "keyed") == []
+    assert any("PGJ-622" in r.getMessage() and "PGJ-604" in r.getMessage()
+               for r in caplog.records)
+    marks = dict(db.execute(f'SELECT name, fires FROM "{schema}".pgjobs_schedule').fetchall())
+    assert marks == {"keyed": 0, "plain": 1}
