@@ -168,7 +168,13 @@ def static_entries(app: Any) -> list[EntryDef]:
     at start (PGJ-601 schedule, 602 time zone, 603 catch-up, 604 the rest)."""
     default_tz = str(app.conf.timezone or "UTC")
     found: list[EntryDef] = []
-    for name, spec in (app.conf.beat_schedule or {}).items():
+    configured = dict(app.conf.beat_schedule or {})
+    if app.conf.result_expires and not app.backend.supports_autoexpire and \
+            "celery.backend_cleanup" not in configured:  # what celery beat installs too
+        configured["celery.backend_cleanup"] = {
+            "task": "celery.backend_cleanup", "schedule": schedules.crontab("0", "4", "*"),
+            "options": {"expires": 12 * 3600}}
+    for name, spec in configured.items():
         if not isinstance(spec, dict) or "task" not in spec or "schedule" not in spec:
             raise InvalidScheduleEntry(f"beat_schedule entry {name!r} needs 'task' and "
                                        "'schedule'")
@@ -408,7 +414,8 @@ class LeaderScheduler(beat.Scheduler):
             try:
                 rec = parse_schedule(row.schedule, row.timezone or default_tz)
             except PgJobsError as exc:  # a row written by hand: say so, fire the rest
-                log.error("pgjobs.schedule.invalid entry=%s %s", row.name, exc)
+                log_event("pgjobs.schedule.invalid", logging.ERROR, entry=row.name,
+                          error=one_line(exc))
                 continue
             entries[row.name] = Loaded(row, rec, row.watermark)
         self._entries = entries

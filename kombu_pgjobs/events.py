@@ -66,6 +66,9 @@ EVENTS: dict[str, tuple[str, str]] = {
         "PGJ-622", "a scheduled fire failed (the database or the broker): nothing was "
         "recorded for the occurrence, which is tried again at the next tick"),
     "pgjobs.leader.elected": ("PGJ-623", "this process leads the scheduler (INFO)"),
+    "pgjobs.schedule.invalid": (
+        "PGJ-625", "an entry in pgjobs_schedule cannot be read (written by hand, or by another "
+        "version): it does not fire; fix or remove it with `pgjobs schedule`"),
     "pgjobs.leader.lost": (
         "PGJ-624", "this process stopped leading the scheduler: another took over, its lease "
         "lapsed or the database could not be reached to renew it"),

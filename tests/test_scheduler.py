@@ -32,7 +32,9 @@ def _app(url: str, schema: str, schedule: dict[str, Any], **conf: Any) -> Celery
     app = Celery("sched_test", broker=url, set_as_current=False)
     app.conf.update(broker_transport_options={"schema": schema}, beat_schedule=schedule,
                     task_ignore_result=True,
-                    **{"pgjobs_scheduler_lease_ttl_seconds": 1.5, **conf})
+                    **{"pgjobs_scheduler_lease_ttl_seconds": 1.5,
+                       "result_expires": None,  # no celery.backend_cleanup entry
+                       **conf})
     return app
 
 
@@ -234,6 +236,13 @@ def test_crontab_entry_fires_in_its_time_zone(db, schema, scheduler):
     clock.now = _utc("2026-03-08T07:00:30")  # 03:00:30 EDT: the gap just ended
     s.tick()
     assert _fired(db, schema, "ny") == [("2026-03-08T07:00:00+00:00", 0)]
+
+
+def test_backend_cleanup_entry_as_celery_beat_installs_it(url, schema, scheduler):
+    s = scheduler({"mine": {"task": "t", "schedule": 60.0}}, result_expires=3600)
+    s.tick()
+    assert set(s.schedule) == {"mine", "celery.backend_cleanup"}
+    assert s.schedule["celery.backend_cleanup"].schedule == "0 4 * * *"
 
 
 def test_catch_up_plan_is_pure_and_bounded():
