@@ -19,6 +19,7 @@ from typing import Any
 import psycopg
 
 from .errors import InvalidScheduleEntry, MigrationError
+from .options import validate_queue_name
 from .recurrence import DEFAULT_CATCH_UP_MAX, parse_schedule
 from .scheduling import EntryDef, EntryRow, ScheduleStore, validate_entry
 
@@ -100,8 +101,10 @@ def cmd_schedule_add(args: argparse.Namespace) -> dict[str, Any]:
     """Add a dynamic entry (validated here; the leader picks it up without a restart)."""
     options = _json_arg("options", args.options, dict, {})
     if args.queue is not None:
-        options["queue"] = args.queue
+        options["queue"] = validate_queue_name(args.queue)
     if args.priority is not None:
+        if not 0 <= args.priority <= 9:
+            raise InvalidScheduleEntry(f"--priority must be 0-9, got {args.priority}")
         options["priority"] = args.priority
     entry = validate_entry(EntryDef(
         name=args.name, task=args.task, schedule=args.schedule, timezone=args.timezone,

@@ -325,6 +325,8 @@ def test_bad_beat_schedule_refused_at_start(url, schema, db, entry, code):
     (["e", "t", "every 5s", "--catch-up", "sometimes"], "PGJ-603"),
     (["e", "t", "every 5s", "--args", "{not json"], "PGJ-604"),
     (["e\x07", "t", "every 5s"], "PGJ-604"),
+    (["e", "t", "every 5s", "--priority", "12"], "PGJ-604"),
+    (["e", "t", "every 5s", "--queue", "q\x07"], "PGJ-103"),
 ])
 def test_bad_schedule_add_refused(db, schema, dsn, capsys, argv, code):
     migrate(db, schema)
