@@ -51,6 +51,7 @@ __all__ = [
     "PublishOutcome",
     "QueueCore",
     "job_from_message",
+    "queue_full",
     "take_publish_outcome",
 ]
 
@@ -273,6 +274,15 @@ def job_from_message(queue: str, message: Mapping[str, Any]) -> NewJob:
                   max_queued, task_id)
 
 
+def queue_full(exc: psycopg.Error) -> TenantQueueFull | None:
+    """TenantQueueFull (PGJ-506) for the guarded statement's cap refusal, else None."""
+    if exc.sqlstate != _QUEUE_FULL:
+        return None
+    detail = exc.diag.message_primary or str(exc)
+    return TenantQueueFull(f"{detail}: nothing was published. Wait for the tenant's messages "
+                           "to run, or raise pgjobs_tenant_max_queued")
+
+
 def _pairs(pairs: Iterable[Pair]) -> tuple[list[int], list[int]]:
     ids: list[int] = []
     claims: list[int] = []
@@ -291,6 +301,9 @@ _ASYNC_JOIN = ("CROSS JOIN (SELECT set_config('synchronous_commit', 'off', true)
 _ASYNC_ANCHOR = "LEFT JOIN {schema}.pgjobs_queue AS q"
 #: job_insert's constant one-row source (replaced by a CTE in QueueCore.insert_from)
 _ONE_ROW = "FROM (SELECT) AS one"
+#: job_insert_guarded's select list and call (fed by a CTE in QueueCore.insert_from)
+_GUARDED_CALL = ("SELECT g.n, g.id, g.holder_id, g.holder_task_id\n"
+                 "  FROM {schema}.pgjobs_publish_guarded_v1(")
 
 
 @cache
@@ -393,20 +406,38 @@ class QueueCore:
             "limits": job.limits, "message": job.message, "tenant": job.tenant,
         }
 
-    def insert_from(self, source: str) -> sql.Composed:
-        """``job_insert`` reading its row from the CTE named ``source`` instead of a constant
-        row, with ``RETURNING id``: a caller writes it after a CTE that decides whether the
-        message is published at all (the scheduler's fence), so the decision and the row are
-        one statement. The row is built exactly as a publish builds it (same text, same
-        :meth:`job_params`); a guarded message (a key or a cap) has its own statement and
-        cannot be published this way."""
+    def insert_from(self, source: str, job: NewJob) -> tuple[sql.Composed, dict[str, Any]]:
+        """The statement and parameters that publish ``job`` reading its row from the CTE
+        named ``source``, yielding the new row's ``id``: a caller writes it as a CTE after
+        one that decides whether the message is published at all (the scheduler's fence), so
+        the decision and the row are one statement. Nothing is published when ``source`` is
+        empty.
+
+        The row is built exactly as a publish builds it: the same statement text
+        (``job_insert``, its constant row replaced by ``source``; for a guarded message —
+        an idempotency key or a tenant cap — ``job_insert_guarded``, called once per row of
+        ``source``) and the same parameters. A guarded message whose key is held inserts
+        nothing (no ``id``); one over its tenant's cap raises SQLSTATE PJ506 (translate it
+        with :func:`queue_full`)."""
         if not re.fullmatch(r"[a-z_]+", source):
             raise ValueError(f"not a CTE name: {source!r}")
-        text = raw_queries()["job_insert"]
-        if text.count(_ONE_ROW) != 1:  # the statement changed shape: say so, never publish
-            raise RuntimeError("job_insert: cannot place the row source")
-        text = text.replace(_ONE_ROW, f"FROM {source} AS one") + "\nRETURNING id"
-        return sql.SQL(text).format(schema=sql.Identifier(self.schema))  # type: ignore[arg-type]
+        if job.guarded:
+            name, anchor, into = "job_insert_guarded", _GUARDED_CALL, (
+                f"SELECT g.id\n  FROM {source} CROSS JOIN LATERAL "
+                "{schema}.pgjobs_publish_guarded_v1(")
+            params = {k: [v] for k, v in self.job_params(job).items()}
+            params.update(key=[job.idempotency_key], max_queued=[job.max_queued],
+                          task_id=[job.task_id], channel=self.channel)
+            params["async"] = False
+        else:
+            name, anchor, into = "job_insert", _ONE_ROW, f"FROM {source} AS one"
+            params = self.job_params(job)
+        text = raw_queries()[name]
+        if text.count(anchor) != 1:  # the statement changed shape: say so, never publish
+            raise RuntimeError(f"{name}: cannot place the row source")
+        text = text.replace(anchor, into) + ("" if job.guarded else "\nRETURNING id")
+        return sql.SQL(text).format(  # type: ignore[arg-type]
+            schema=sql.Identifier(self.schema)), params
 
     def publish_many(self, conn: psycopg.Connection, jobs: Sequence[NewJob]) -> int:
         """Insert many messages in one statement: the batch path. Returns the number of rows
@@ -442,11 +473,9 @@ class QueueCore:
         try:
             rows = conn.execute(self.q["job_insert_guarded"], params).fetchall()
         except psycopg.Error as exc:
-            if exc.sqlstate == _QUEUE_FULL:
-                detail = exc.diag.message_primary or str(exc)
-                raise TenantQueueFull(
-                    f"{detail}: nothing was published. Wait for the tenant's messages to run, "
-                    "or raise pgjobs_tenant_max_queued") from None
+            full = queue_full(exc)
+            if full is not None:
+                raise full from None
             raise
         # Keyless messages are all inserted (a cap refusal raised above); keyed ones are
         # answered row by row.

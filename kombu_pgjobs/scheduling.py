@@ -20,7 +20,7 @@ import psycopg
 from psycopg import sql
 from psycopg.types.json import Jsonb
 
-from .core import NewJob, QueueCore
+from .core import NewJob, QueueCore, queue_full
 from .errors import InvalidScheduleEntry, ScheduleEntryExists, ScheduleEntryNotFound
 from .options import validate_schema_name
 from .recurrence import DEFAULT_CATCH_UP_MAX, check_catch_up, parse_schedule, zone
@@ -237,23 +237,29 @@ class ScheduleStore:
         """Fire one occurrence in ONE statement, fenced on ``term``: returns (fire id, job id)
         or None when the fence refused (not the leader any more, the entry changed or was
         fired). With ``job`` (pgjobs broker) the message row is inserted by the same statement
-        with ``core``'s own insert; without, the caller publishes after this returns."""
+        with ``core``'s own insert (job id None: its idempotency key was held, the occurrence
+        is recorded and nothing queued); without, the caller publishes after this returns. A
+        tenant over its queue cap raises TenantQueueFull (PGJ-506): nothing is written."""
         params: dict[str, Any] = {
             "leader": self.election, "term": term, "holder": holder, "entry": entry.name,
             "defined_at": entry.updated_at, "watermark": watermark,
             "occurrence": occurrence, "missed": missed}
         parts = [sql.SQL("WITH fence AS ("), self.q["schedule_fence"], sql.SQL(")")]
         if job is not None:
-            if core is None or job.guarded:
-                raise InvalidScheduleEntry(
-                    f"entry {entry.name!r}: a scheduled message cannot carry an idempotency "
-                    "key or a tenant queue cap (the schedule already fires each occurrence "
-                    "once)")
-            params.update(core.job_params(job))
-            parts += [sql.SQL(", job AS ("), core.insert_from("fence"), sql.SQL(")\n"),
+            if core is None:
+                raise ValueError("a job needs the queue core that inserts it")
+            insert, job_params = core.insert_from("fence", job)
+            params.update(job_params)
+            parts += [sql.SQL(", job AS ("), insert, sql.SQL(")\n"),
                       self.q["schedule_record_fire_job"]]
         else:
             parts += [sql.SQL("\n"), self.q["schedule_record_fire"]]
-        row = conn.execute(sql.Composed(parts), params).fetchone()
+        try:
+            row = conn.execute(sql.Composed(parts), params).fetchone()
+        except psycopg.Error as exc:
+            full = queue_full(exc)
+            if full is not None:
+                raise full from None
+            raise
         return None if row is None else (int(row[0]), row[1])
 

@@ -542,21 +542,34 @@ def test_dst_matches_the_documented_rules_minute_by_minute(tz, text, day):
     assert got == expected
 
 
-def test_an_entry_that_cannot_fire_does_not_block_the_others(db, schema, scheduler, caplog):
-    """A scheduled message with an idempotency key is refused (PGJ-604, logged as
-    pgjobs.schedule.failed); the other entries fire, and the refused one's occurrence is
-    neither recorded nor its watermark moved."""
+def test_guarded_messages_keys_absorb_caps_refuse_others_go_on(db, schema, scheduler, caplog):
+    """A scheduled message with an idempotency key goes through the guarded publish inside
+    the fenced statement: while the previous occurrence's message holds the key, the next
+    occurrence is recorded and queues nothing. One over its tenant's queue cap is refused
+    (PGJ-506, logged as pgjobs.schedule.failed): nothing recorded, its watermark unmoved, and
+    the other entries fire."""
     clock = Clock()
-    s = scheduler({"keyed": {"task": "t", "schedule": 10.0, "options": {
-                       "headers": {"x-pgjobs-idempotency-key": "k"}}},
-                   "plain": {"task": "t", "schedule": 10.0}}, clock)
+    s = scheduler({
+        "keyed": {"task": "t", "schedule": 10.0, "options": {
+            "headers": {"x-pgjobs-idempotency-key": "k"}}},
+        "capped": {"task": "t", "schedule": 10.0, "options": {
+            "headers": {"x-pgjobs-tenant": "acme", "x-pgjobs-tenant-max-queued": 1}}},
+        "plain": {"task": "t", "schedule": 10.0}}, clock)
     s.tick()
-    clock.now = max(e.row.anchor for e in s._entries.values()) + timedelta(seconds=11)
+    base = max(e.row.anchor for e in s._entries.values())
+    clock.now = base + timedelta(seconds=11)
+    s.tick()
+    assert [len(_fired(db, schema, n)) for n in ("keyed", "capped", "plain")] == [1, 1, 1]
+    clock.now = base + timedelta(seconds=21)
     with caplog.at_level("WARNING"):
         s.tick()
-    assert len(_fired(db, schema, "plain")) == 1
-    assert _fired(db, schema, "keyed") == []
-    assert any("PGJ-622" in r.getMessage() and "PGJ-604" in r.getMessage()
+    assert len(_fired(db, schema, "keyed")) == 1  # absorbed by the live holder of "k"
+    assert len(_fired(db, schema, "capped")) == 1  # refused by the cap
+    assert len(_fired(db, schema, "plain")) == 2
+    assert any("PGJ-622" in r.getMessage() and "PGJ-506" in r.getMessage()
                for r in caplog.records)
-    marks = dict(db.execute(f'SELECT name, fires FROM "{schema}".pgjobs_schedule').fetchall())
-    assert marks == {"keyed": 0, "plain": 1}
+    fires = dict(db.execute(f'SELECT name, fires FROM "{schema}".pgjobs_schedule').fetchall())
+    assert fires == {"keyed": 2, "capped": 1, "plain": 2}
+    history = db.execute(f'SELECT job_id IS NOT NULL FROM "{schema}".pgjobs_schedule_fire '
+                         "WHERE entry = 'keyed' ORDER BY occurrence").fetchall()
+    assert history == [(True,), (False,)]

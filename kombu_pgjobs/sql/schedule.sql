@@ -121,10 +121,11 @@ RETURNING id, job_id;
 
 -- name: schedule_record_fire_job :one
 -- The last part of the statement that fires on the pgjobs broker: one history row for the
--- fence's row and the message row the same statement inserted (CTE job).
+-- fence's row and the message row the same statement inserted (CTE job; none when a
+-- guarded message's idempotency key was held: the occurrence is recorded, job_id NULL).
 INSERT INTO {schema}.pgjobs_schedule_fire (entry, occurrence, term, holder, job_id, missed)
 SELECT fence.name, %(occurrence)s, fence.term, %(holder)s, job.id, %(missed)s
-  FROM fence CROSS JOIN job
+  FROM fence LEFT JOIN job ON true
 RETURNING id, job_id;
 
 -- name: schedule_add :one
