@@ -109,6 +109,35 @@ def test_a_deposed_term_fires_nothing(db, schema):
     assert history == [(new.term, "new", True)]
 
 
+def test_a_leader_that_still_believes_it_leads_is_fenced_by_the_statement(db, schema, scheduler,
+                                                                         caplog):
+    """The old leader's own view still says "leading" (its lease looked valid when it last
+    renewed, and it has not run a round since: a pause) while the database gave the lease to
+    another process: its fire is refused by the fire statement itself, nothing is queued,
+    and the new leader fires the occurrence once."""
+    clock = Clock()
+    entries = {"e": {"task": "t", "schedule": 10.0}}
+    old = scheduler(entries, clock, pgjobs_scheduler_lease_ttl_seconds=30.0)
+    old.tick()
+    old.elector._stop.set()  # its elector stops renewing (the process is "paused")
+    old.elector._thread.join(5)
+    assert old.elector.current().leading  # what it believes
+    db.execute(f'UPDATE "{schema}".pgjobs_leader SET expires_at = clock_timestamp()')
+    new = scheduler(entries, clock)  # takes the lapsed lease: term 2
+    assert new.elector.current().term == old.elector.current().term + 1
+    clock.now = old._entries["e"].row.anchor + timedelta(seconds=11)
+    with caplog.at_level("WARNING"):
+        assert old.tick() <= 0.25
+    assert _fired(db, schema, "e") == []
+    assert any("PGJ-620" in r.getMessage() for r in caplog.records)
+    new.tick()
+    new.tick()
+    old.tick()
+    assert len(_fired(db, schema, "e")) == 1
+    terms = db.execute(f'SELECT term FROM "{schema}".pgjobs_schedule_fire').fetchall()
+    assert terms == [(new.elector.current().term,)]
+
+
 # -- catch-up --------------------------------------------------------------------------------
 def test_catch_up_policies_after_a_ten_minute_outage(db, schema, scheduler):
     every = 60.0
