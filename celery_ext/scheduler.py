@@ -7,7 +7,8 @@ Features
   worker: one of them leads, the others wait.
 * Entries: ``app.conf.beat_schedule`` (crontab, timedelta or seconds, ``celery.schedules.
   schedule``; args, kwargs, options such as queue and priority) and dynamic entries added with
-  ``pgjobs schedule add`` (picked up without a restart). Solar schedules are refused (PGJ-601).
+  ``pgjobs schedule add`` (picked up without a restart). Solar schedules are computed with
+  Celery's ``solar`` (``ephem`` installed), as ``solar EVENT LAT LON``.
 * Each message carries headers ``pgjobs_schedule_entry``, ``pgjobs_schedule_occurrence``
   (ISO 8601, UTC) and ``pgjobs_schedule_missed``, readable in the task as
   ``self.request.pgjobs_schedule_entry`` etc.
@@ -72,11 +73,14 @@ from kombu_pgjobs.options import TransportOptions
 from kombu_pgjobs.recurrence import (
     DEFAULT_CATCH_UP_MAX,
     Recurrence,
+    Solar,
     catch_up_plan,
     cron_from_sets,
     every,
     parse_cron,
     parse_schedule,
+    parse_solar,
+    walk,
     zone,
 )
 from kombu_pgjobs.scheduling import EntryDef, EntryRow, Lease, ScheduleStore, validate_entry
@@ -155,12 +159,40 @@ def _schedule_text(name: str, spec: Any, tz: str) -> str:
                          _cron_text(spec.month_of_year, 1, 12),
                          _cron_text(spec.day_of_week, 0, 6)))
     if isinstance(spec, schedules.solar):
-        raise InvalidSchedule(f"entry {name!r}: solar schedules are not supported by "
-                              "LeaderScheduler; use a crontab in the place's time zone")
+        return parse_solar(f"solar {spec.event} {spec.lat} {spec.lon}").text
     if isinstance(spec, schedules.schedule):
         return every(spec.run_every.total_seconds()).text
     raise InvalidSchedule(f"entry {name!r}: schedule {spec!r} is not a crontab, a timedelta "
                           "or a number of seconds")
+
+
+class CelerySolar:
+    """Occurrences of a ``solar EVENT LAT LON`` entry, computed by Celery's ``solar``
+    schedule (which needs ``ephem``). Instants are rounded to the second, and each search
+    starts a minute after the last occurrence: the same sunset found again from a slightly
+    different start (the astronomy is iterative) must not become a second occurrence."""
+
+    def __init__(self, spec: Solar, app: Any) -> None:
+        self.text = spec.text
+        try:
+            self._solar = schedules.solar(spec.event, spec.lat, spec.lon, app=app)
+        except Exception as exc:  # ImproperlyConfigured: ephem is not installed
+            raise InvalidSchedule(f"{spec.text}: {exc}") from None
+
+    def next_after(self, after: datetime, anchor: datetime | None = None) -> datetime:
+        start = after + timedelta(minutes=1)
+        self._solar.nowfun = lambda: start
+        found = start + self._solar.remaining_estimate(start)
+        return (found + timedelta(microseconds=500_000)).replace(microsecond=0)
+
+    def occurrences(self, after: datetime, until: datetime, limit: int) -> list[datetime]:
+        return walk(self, after, until, limit)
+
+
+def recurrence(text: str, tz: str, app: Any) -> Recurrence:
+    """An entry's schedule, ready to compute: PGJ-601/602 when it is not."""
+    rec = parse_schedule(text, tz)
+    return CelerySolar(rec, app) if isinstance(rec, Solar) else rec
 
 
 def static_entries(app: Any) -> list[EntryDef]:
@@ -189,6 +221,7 @@ def static_entries(app: Any) -> list[EntryDef]:
                 options=options, catch_up=options.get("pgjobs_catch_up", "skip"),
                 catch_up_max=options.get("pgjobs_catch_up_max", DEFAULT_CATCH_UP_MAX))
             found.append(validate_entry(entry))
+            recurrence(entry.schedule, tz, app)  # solar: Celery's, with ephem, works here
         except PgJobsError as exc:
             if exc.message.startswith("entry "):
                 raise
@@ -412,7 +445,7 @@ class LeaderScheduler(beat.Scheduler):
         default_tz = str(self.app.conf.timezone or "UTC")
         for row in self.store.load(self._connection()):
             try:
-                rec = parse_schedule(row.schedule, row.timezone or default_tz)
+                rec = recurrence(row.schedule, row.timezone or default_tz, self.app)
             except PgJobsError as exc:  # a row written by hand: say so, fire the rest
                 log_event("pgjobs.schedule.invalid", logging.ERROR, entry=row.name,
                           error=one_line(exc))

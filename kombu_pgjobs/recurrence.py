@@ -27,12 +27,13 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
+from typing import Protocol
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from .errors import InvalidCatchUp, InvalidSchedule, UnknownTimezone
 
-__all__ = ["CATCH_UP", "Cron", "Every", "Plan", "Recurrence", "catch_up_plan",
-           "check_catch_up", "parse_schedule", "zone"]
+__all__ = ["CATCH_UP", "SOLAR_EVENTS", "Cron", "Every", "Occurrences", "Plan", "Recurrence",
+           "Solar", "catch_up_plan", "check_catch_up", "parse_schedule", "walk", "zone"]
 
 UTC = timezone.utc
 #: catch-up policies after downtime (see :func:`catch_up_plan`)
@@ -189,18 +190,79 @@ class Cron:
         raise InvalidSchedule(f"crontab {self.text!r} never matches a real date")
 
     def occurrences(self, after: datetime, until: datetime, limit: int) -> list[datetime]:
-        """Up to ``limit`` occurrences in (after, until], oldest first."""
-        found: list[datetime] = []
-        t = after
-        while len(found) < limit:
-            t = self.next_after(t)
-            if t > until:
-                break
-            found.append(t)
-        return found
+        return walk(self, after, until, limit)
 
 
-Recurrence = Every | Cron
+def walk(rec: Cron | Occurrences, after: datetime, until: datetime,
+         limit: int) -> list[datetime]:
+    """Up to ``limit`` occurrences of ``rec`` in (after, until], oldest first."""
+    found: list[datetime] = []
+    t = after
+    while len(found) < limit:
+        t = rec.next_after(t, after)
+        if t > until:
+            break
+        found.append(t)
+    return found
+
+
+#: solar events, as Celery's ``solar`` schedule names them
+SOLAR_EVENTS = ("dawn_astronomical", "dawn_nautical", "dawn_civil", "sunrise", "solar_noon",
+                "sunset", "dusk_civil", "dusk_nautical", "dusk_astronomical")
+
+
+@dataclass(frozen=True, slots=True)
+class Solar:
+    """``solar EVENT LATITUDE LONGITUDE``: a solar event at a place. Only its definition lives
+    here (checked without Celery); celery_ext computes its occurrences with Celery's ``solar``
+    (which needs ``ephem``)."""
+
+    event: str
+    lat: float
+    lon: float
+
+    @property
+    def text(self) -> str:
+        return f"solar {self.event} {self.lat:g} {self.lon:g}"
+
+    def next_after(self, after: datetime, anchor: datetime | None = None) -> datetime:
+        raise InvalidSchedule(f"{self.text}: solar occurrences are computed by "
+                              "celery_ext.scheduler (Celery's solar, with ephem installed)")
+
+
+class Occurrences(Protocol):
+    """What catch-up planning needs of a schedule besides intervals and crontabs."""
+
+    text: str
+
+    def next_after(self, after: datetime, anchor: datetime) -> datetime: ...
+
+    def occurrences(self, after: datetime, until: datetime, limit: int) -> list[datetime]: ...
+
+
+Recurrence = Every | Cron | Occurrences
+
+
+def parse_solar(text: str) -> Solar:
+    """``solar EVENT LATITUDE LONGITUDE`` or InvalidSchedule (PGJ-601)."""
+    parts = text.split()
+    if len(parts) != 4 or parts[0].lower() != "solar":
+        raise InvalidSchedule(f"invalid solar schedule {text!r}: expected 'solar EVENT "
+                              "LATITUDE LONGITUDE' (e.g. 'solar sunset 48.85 2.35')")
+    event = parts[1].lower()
+    if event not in SOLAR_EVENTS:
+        raise InvalidSchedule(f"unknown solar event {parts[1]!r}: use one of "
+                              f"{', '.join(SOLAR_EVENTS)}")
+    try:
+        lat, lon = float(parts[2]), float(parts[3])
+    except ValueError:
+        raise InvalidSchedule(f"solar latitude and longitude must be numbers: {text!r}"
+                              ) from None
+    if not (math.isfinite(lat) and -90 <= lat <= 90):
+        raise InvalidSchedule(f"solar latitude must be in -90..90, got {parts[2]}")
+    if not (math.isfinite(lon) and -180 <= lon <= 180):
+        raise InvalidSchedule(f"solar longitude must be in -180..180, got {parts[3]}")
+    return Solar(event, lat, lon)
 
 
 def _field(text: str, what: str, low: int, high: int,
@@ -293,13 +355,16 @@ _EVERY = re.compile(r"^every\s+([0-9.eE+-]+)\s*(s|m|h|d)?$")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, None: 1}
 
 
-def parse_schedule(text: str, tz: str = "UTC") -> Recurrence:
-    """``every 30s`` / ``every 5m`` / ``every 1.5h``, or crontab text (in ``tz``).
+def parse_schedule(text: str, tz: str = "UTC") -> Recurrence | Solar:
+    """``every 30s`` / ``every 5m`` / ``every 1.5h``, crontab text (in ``tz``), or
+    ``solar EVENT LAT LON`` (a :class:`Solar` definition: celery_ext computes it).
 
     Raises InvalidSchedule (PGJ-601) or UnknownTimezone (PGJ-602)."""
     if not isinstance(text, str) or not text.strip():
         raise InvalidSchedule("empty schedule: give 'every 30s' or crontab text such as "
                               "'*/5 * * * *'")
+    if text.strip().lower().startswith("solar"):
+        return parse_solar(text)
     m = _EVERY.match(text.strip().lower())
     if m:
         try:

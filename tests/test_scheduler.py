@@ -274,6 +274,38 @@ def test_backend_cleanup_entry_as_celery_beat_installs_it(url, schema, scheduler
     assert s.schedule["celery.backend_cleanup"].schedule == "0 4 * * *"
 
 
+def test_solar_entry_fires_once_per_event(db, schema, scheduler):
+    """A Celery solar schedule (sunset in Paris) fires once per sunset, at the sunset: the
+    same event found again from a later tick is not a second occurrence."""
+    from celery.schedules import solar
+
+    clock = Clock()
+    s = scheduler({"dusk": {"task": "t", "schedule": solar("sunset", 48.8566, 2.3522)}}, clock)
+    s.tick()
+    assert s.schedule["dusk"].schedule == "solar sunset 48.8566 2.3522"
+    db.execute(f'UPDATE "{schema}".pgjobs_schedule SET anchor = %s, '
+               "updated_at = clock_timestamp()", (_utc("2026-06-21T00:00:00"),))
+    wait_for(lambda: s.elector.current().version != s._version, 5, what="version change")
+    for now in ("2026-06-21T12:00:00", "2026-06-21T20:30:00", "2026-06-21T23:00:00",
+                "2026-06-22T20:30:00", "2026-06-22T20:31:00"):
+        clock.now = _utc(now)
+        s.tick()
+    fired = [datetime.fromisoformat(o) for o, _ in _fired(db, schema, "dusk")]
+    assert len(fired) == 2
+    # sunset in Paris on the solstice is 21:58 CEST (19:58 UTC)
+    assert _utc("2026-06-21T19:50:00") <= fired[0] <= _utc("2026-06-21T20:05:00")
+    assert timedelta(hours=23, minutes=55) < fired[1] - fired[0] < timedelta(hours=24, minutes=5)
+
+
+def test_solar_entry_added_from_the_cli(db, schema, dsn, scheduler, capsys):
+    s = scheduler({})
+    assert cli(["--dsn", dsn, "--schema", schema, "schedule", "add", "dawn", "t",
+                "solar sunrise 40.7128 -74.006"]) == 0
+    wait_for(lambda: (s.tick() or True) and "dawn" in s._entries, 10, what="the entry loaded")
+    nxt = s._entries["dawn"].rec.next_after(datetime(2026, 3, 20, tzinfo=UTC))
+    assert _utc("2026-03-20T10:30:00") <= nxt <= _utc("2026-03-20T11:30:00")  # ~07:00 EDT
+
+
 def test_catch_up_plan_is_pure_and_bounded():
     rec = parse_schedule("every 1s")
     anchor = datetime(2026, 1, 1, tzinfo=UTC)
@@ -356,6 +388,9 @@ def test_bad_beat_schedule_refused_at_start(url, schema, db, entry, code):
     (["e\x07", "t", "every 5s"], "PGJ-604"),
     (["e", "t", "every 5s", "--priority", "12"], "PGJ-604"),
     (["e", "t", "every 5s", "--queue", "q\x07"], "PGJ-103"),
+    (["e", "t", "solar moonrise 48.85 2.35"], "PGJ-601"),
+    (["e", "t", "solar sunset 95 2.35"], "PGJ-601"),
+    (["e", "t", "solar sunset north east"], "PGJ-601"),
 ])
 def test_bad_schedule_add_refused(db, schema, dsn, capsys, argv, code):
     migrate(db, schema)
