@@ -18,6 +18,8 @@ Occurrences are instants (aware UTC datetimes):
   - **fall back** (a wall time that happens twice): an entry with a fixed hour fires once, on
     the first pass; an entry whose hour field is ``*`` follows real time and fires on both passes
     (Vixie cron's rule).
+* ``solar EVENT LAT LON``: only checked here (event name, coordinates); celery_ext computes
+  its occurrences with Celery's ``solar`` (``ephem``), which kombu_pgjobs does not import.
 """
 
 from __future__ import annotations
