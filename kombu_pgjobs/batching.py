@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .core import NewJob
 
-__all__ = ["Batch", "batch", "pending"]
+__all__ = ["Batch", "batch", "capture", "pending"]
 
 _local = threading.local()
 
@@ -74,3 +74,21 @@ def batch() -> Iterator[Batch]:
                     result.inserted += 1
                 else:
                     result.duplicates[o.task_id] = o.holder_task_id
+
+
+@contextmanager
+def capture() -> Iterator[list[NewJob]]:
+    """Hold what this thread publishes through pgjobs and publish none of it: the block gets
+    the list of messages, built exactly as the transport builds them (routing, headers,
+    validation), for a caller that inserts them itself in a statement of its own (the
+    scheduler inserts a fire's message with its fence). Not nestable in a batch."""
+    if getattr(_local, "held", None) is not None:
+        raise RuntimeError("kombu_pgjobs capture() inside a batch() or capture() block")
+    _local.held = {}
+    jobs: list[NewJob] = []
+    try:
+        yield jobs
+    finally:
+        held, _local.held, _local.result = _local.held, None, None
+        for backend_jobs in held.values():
+            jobs.extend(backend_jobs)

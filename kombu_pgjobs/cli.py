@@ -715,6 +715,8 @@ def build_parser() -> argparse.ArgumentParser:
     register_webhooks(sub, common, _add)
     from .relay_cli import register as register_outbox  # `relay`, `outbox` (issue 13)
     register_outbox(sub, common, _add)
+    from .schedule_cli import add_schedule_commands  # here: schedule_cli imports cli
+    add_schedule_commands(sub, common)
     return parser
 
 

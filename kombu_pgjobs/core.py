@@ -51,6 +51,7 @@ __all__ = [
     "PublishOutcome",
     "QueueCore",
     "job_from_message",
+    "queue_full",
     "take_publish_outcome",
 ]
 
@@ -278,6 +279,15 @@ def job_from_message(queue: str, message: Mapping[str, Any]) -> NewJob:
                   max_queued, task_id)
 
 
+def queue_full(exc: psycopg.Error) -> TenantQueueFull | None:
+    """TenantQueueFull (PGJ-506) for the guarded statement's cap refusal, else None."""
+    if exc.sqlstate != _QUEUE_FULL:
+        return None
+    detail = exc.diag.message_primary or str(exc)
+    return TenantQueueFull(f"{detail}: nothing was published. Wait for the tenant's messages "
+                           "to run, or raise pgjobs_tenant_max_queued")
+
+
 def _pairs(pairs: Iterable[Pair]) -> tuple[list[int], list[int]]:
     ids: list[int] = []
     claims: list[int] = []
@@ -294,6 +304,11 @@ _ASYNC_COMMIT: weakref.WeakSet[psycopg.Connection[Any]] = weakref.WeakSet()
 _ASYNC_JOIN = ("CROSS JOIN (SELECT set_config('synchronous_commit', 'off', true)) "
                "AS async_commit\n  ")
 _ASYNC_ANCHOR = "LEFT JOIN {schema}.pgjobs_queue AS q"
+#: job_insert's constant one-row source (replaced by a CTE in QueueCore.insert_from)
+_ONE_ROW = "FROM (SELECT) AS one"
+#: job_insert_guarded's select list and call (fed by a CTE in QueueCore.insert_from)
+_GUARDED_CALL = ("SELECT g.n, g.id, g.holder_id, g.holder_task_id\n"
+                 "  FROM {schema}.pgjobs_publish_guarded_v1(")
 
 
 @cache
@@ -384,12 +399,50 @@ class QueueCore:
         and nothing is written. Other messages run the plain INSERT and return None."""
         if job.guarded:
             return self.publish_batch(conn, [job])[0]
-        conn.execute(self._insert(conn, "job_insert"), {
+        conn.execute(self._insert(conn, "job_insert"), self.job_params(job))
+        return None
+
+    @staticmethod
+    def job_params(job: NewJob) -> dict[str, Any]:
+        """The parameters of ``job_insert`` (and :meth:`insert_from`) for ``job``."""
+        return {
             "queue": job.queue, "priority": job.priority, "run_at": job.run_at,
             "ttl_ms": job.ttl_ms, "max_attempts": job.max_attempts, "task": job.task,
             "limits": job.limits, "message": job.message, "tenant": job.tenant,
-        })
-        return None
+        }
+
+    def insert_from(self, source: str, job: NewJob) -> tuple[sql.Composed, dict[str, Any]]:
+        """The statement and parameters that publish ``job`` reading its row from the CTE
+        named ``source``, yielding the new row's ``id``: a caller writes it as a CTE after
+        one that decides whether the message is published at all (the scheduler's fence), so
+        the decision and the row are one statement. Nothing is published when ``source`` is
+        empty.
+
+        The row is built exactly as a publish builds it: the same statement text
+        (``job_insert``, its constant row replaced by ``source``; for a guarded message —
+        an idempotency key or a tenant cap — ``job_insert_guarded``, called once per row of
+        ``source``) and the same parameters. A guarded message whose key is held inserts
+        nothing (no ``id``); one over its tenant's cap raises SQLSTATE PJ506 (translate it
+        with :func:`queue_full`)."""
+        if not re.fullmatch(r"[a-z_]+", source):
+            raise ValueError(f"not a CTE name: {source!r}")
+        if job.guarded:
+            name, anchor, into = "job_insert_guarded", _GUARDED_CALL, (
+                f"SELECT g.id\n  FROM {source} CROSS JOIN LATERAL "
+                "{schema}.pgjobs_publish_guarded_v1(")
+            params = {k: [v] for k, v in self.job_params(job).items()}
+            params.update(key=[job.idempotency_key], max_queued=[job.max_queued],
+                          task_id=[job.task_id], channel=self.channel)
+            params["async"] = False
+        else:
+            name, anchor, into = "job_insert", _ONE_ROW, f"FROM {source} AS one"
+            params = self.job_params(job)
+        text = raw_queries()[name]
+        if text.count(anchor) != 1:  # the statement changed shape: say so, never publish
+            raise RuntimeError(f"{name}: cannot place the row source")
+        text = text.replace(anchor, into) + ("" if job.guarded else "\nRETURNING id")
+        return sql.SQL(text).format(  # type: ignore[arg-type]
+            schema=sql.Identifier(self.schema)), params
 
     def publish_many(self, conn: psycopg.Connection, jobs: Sequence[NewJob]) -> int:
         """Insert many messages in one statement: the batch path. Returns the number of rows
@@ -425,11 +478,9 @@ class QueueCore:
         try:
             rows = conn.execute(self.q["job_insert_guarded"], params).fetchall()
         except psycopg.Error as exc:
-            if exc.sqlstate == _QUEUE_FULL:
-                detail = exc.diag.message_primary or str(exc)
-                raise TenantQueueFull(
-                    f"{detail}: nothing was published. Wait for the tenant's messages to run, "
-                    "or raise pgjobs_tenant_max_queued") from None
+            full = queue_full(exc)
+            if full is not None:
+                raise full from None
             raise
         # Keyless messages are all inserted (a cap refusal raised above); keyed ones are
         # answered row by row.

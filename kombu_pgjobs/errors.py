@@ -28,11 +28,14 @@ __all__ = [
     "EgressRefused",
     "EmbeddedServerError",
     "InvalidArgument",
+    "InvalidCatchUp",
     "InvalidLimit",
     "InvalidLimitKey",
     "InvalidName",
     "InvalidOption",
     "InvalidSSL",
+    "InvalidSchedule",
+    "InvalidScheduleEntry",
     "InvalidTaskOption",
     "InvalidTenant",
     "InvalidTenantOption",
@@ -50,6 +53,8 @@ __all__ = [
     "OutboxUnserializable",
     "PgJobsError",
     "PublishFailed",
+    "ScheduleEntryExists",
+    "ScheduleEntryNotFound",
     "SchemaTooNew",
     "StateConflict",
     "TenantMismatch",
@@ -57,6 +62,7 @@ __all__ = [
     "UnknownQueue",
     "UnknownState",
     "UnsupportedConnection",
+    "UnknownTimezone",
     "UsageError",
     "WebhookEndpointDisabled",
     "WebhookEndpointNotFound",
@@ -349,6 +355,44 @@ class WebhookSignatureInvalid(PgJobsError):
     outside the tolerance, or no signature made with any of the given secrets."""
 
     code = "PGJ-810"
+class InvalidSchedule(ConfigurationError):
+    """A schedule is invalid: crontab text that does not parse or never matches, an interval
+    that is not a positive number of seconds, or a schedule type the leader scheduler does not
+    support. Raised at scheduler start or at ``pgjobs schedule add``; nothing was written."""
+
+    code = "PGJ-601"
+
+
+class UnknownTimezone(ConfigurationError):
+    """A schedule names a time zone that is not an IANA time zone (``Europe/Paris``, ``UTC``)."""
+
+    code = "PGJ-602"
+
+
+class InvalidCatchUp(ConfigurationError):
+    """A catch-up policy is not ``skip``, ``once`` or ``all``, or its cap is not a whole number
+    in 1-10000."""
+
+    code = "PGJ-603"
+
+
+class InvalidScheduleEntry(ConfigurationError):
+    """A schedule entry is invalid (its name, task, arguments or options), or a scheduler
+    setting is out of range."""
+
+    code = "PGJ-604"
+
+
+class ScheduleEntryNotFound(ConfigurationError):
+    """No schedule entry has this name: see ``pgjobs schedule ls``."""
+
+    code = "PGJ-605"
+
+
+class ScheduleEntryExists(ConfigurationError):
+    """A schedule entry with this name exists: remove it first, or pass ``--replace``."""
+
+    code = "PGJ-606"
 
 
 def all_error_classes() -> list[type[PgJobsError]]:

@@ -67,6 +67,23 @@ EVENTS: dict[str, tuple[str, str]] = {
     "pgjobs.settled.listener_failed": (
         "PGJ-221", "a receiver of the on_settled notification raised: logged, the settle it "
         "reported stands"),
+    "pgjobs.schedule.fenced": (
+        "PGJ-620", "a scheduled fire was refused by its fence: this process no longer leads "
+        "(its term moved on or its lease lapsed), or the entry changed or was fired meanwhile; "
+        "nothing was published"),
+    "pgjobs.schedule.missed": (
+        "PGJ-621", "occurrences of a scheduled entry were missed (no leader at their time) and "
+        "were not fired, per the entry's catch-up policy"),
+    "pgjobs.schedule.failed": (
+        "PGJ-622", "a scheduled fire failed (the database or the broker): nothing was "
+        "recorded for the occurrence, which is tried again at the next tick"),
+    "pgjobs.leader.elected": ("PGJ-623", "this process leads the scheduler (INFO)"),
+    "pgjobs.schedule.invalid": (
+        "PGJ-625", "an entry in pgjobs_schedule cannot be read (written by hand, or by another "
+        "version): it does not fire; fix or remove it with `pgjobs schedule`"),
+    "pgjobs.leader.lost": (
+        "PGJ-624", "this process stopped leading the scheduler: another took over, its lease "
+        "lapsed or the database could not be reached to renew it"),
 }
 
 
