@@ -441,6 +441,18 @@ class Admin:
             raise InvalidArgument(f"--tenants must be between 0 and {MAX_PAGE}, got {top}")
         return self._dicts("admin_tenant_stats", {"top": int(top)})
 
+    def throughput(self, *, minutes: int = 30) -> dict[str, dict[str, list[int]]]:
+        """Settles per minute over the last ``minutes``: {queue: {outcome: [n, ...]}}, oldest
+        minute first, the current (partial) minute last; minutes without settles are 0."""
+        if not 1 <= int(minutes) <= 1440:
+            raise InvalidArgument(f"minutes must be between 1 and 1440, got {minutes}")
+        out: dict[str, dict[str, list[int]]] = {}
+        for r in self._dicts("admin_counter_series", {"minutes": int(minutes)}):
+            series = out.setdefault(r["queue"], {}).setdefault(r["outcome"], [0] * minutes)
+            if 0 <= r["ago"] < minutes:
+                series[minutes - 1 - r["ago"]] += int(r["n"])
+        return out
+
     # -- changing -----------------------------------------------------------------------
     def dead_requeue(self, ids: Sequence[Any] | None = None, *, queue: str | None = None,
                      reason: str | None = None, limit: int | None = None,

@@ -706,6 +706,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="print the exact counts only")
     p.add_argument("--batch", type=int, default=DEFAULT_BATCH, help="rows per transaction")
     p.add_argument("--limit", type=int, default=100_000, help="most rows per table per call")
+
+    from .dashboard.command import register as register_dashboard  # argparse only, no web
+    register_dashboard(sub, common)
     return parser
 
 

@@ -529,3 +529,15 @@ SELECT limit_key AS key, window_start, starts
    AND (%(prefix)s::text IS NULL OR starts_with(limit_key, %(prefix)s))
  ORDER BY limit_key, window_start DESC
  LIMIT %(limit)s;
+
+-- name: admin_counter_series :many
+-- Settled messages per queue, outcome and minute over the last %(minutes)s minutes (the
+-- current, partial minute included; `ago` 0 is the current minute): the dashboard's throughput
+-- chart. Reads only that window of buckets (pgjobs_counter_bucket_idx), never the job table.
+SELECT queue, outcome,
+       (extract(epoch FROM date_trunc('minute', now()) - bucket) / 60)::int AS ago,
+       sum(n)::bigint AS n
+  FROM {schema}.pgjobs_counter
+ WHERE bucket >= date_trunc('minute', now()) - make_interval(mins => %(minutes)s::int - 1)
+ GROUP BY queue, outcome, bucket
+ ORDER BY queue, outcome, bucket;
