@@ -16,6 +16,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 import uuid
 from typing import Any
 
@@ -119,7 +120,9 @@ def test_pages_show_what_admin_reads(core, db, client, schema):
     assert re.search(r"queue=alpha\">1</a>", alpha)  # one dead letter
     idle = re.search(r'<tr class="paused">.*?</tr>', r.text, re.S).group(0)
     assert "idle" in idle and "badge paused" in idle
-    assert "acme" in r.text and "globex" in r.text  # tenants
+    tenants = c.get("/tenants").text
+    assert re.search(r'tenant=acme">acme</a></td><td class="n">2</td>', tenants)  # ready
+    assert re.search(r'tenant=globex">globex</a></td><td class="n">1</td>', tenants)
     assert "<svg class=\"chart\"" in r.text  # the settle chart (the dead letter settled)
     assert "read-only" in r.text and 'method="post"' not in r.text
 
@@ -352,3 +355,35 @@ def test_cli_write_without_token_and_no_web_import(capsys, url, schema, monkeypa
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                          check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_overview_counts_are_exact_up_to_the_bound(core, db, schema):
+    """The overview's statement (Admin.queues(bound=...)) agrees with the CLI's exact one up
+    to the bound, and says "more" (bound + 1) beyond it, for every state and queue."""
+    from kombu_pgjobs.admin import Admin
+
+    s = seeded(core, db)
+    for _ in range(3):
+        publish(core, db, "alpha", eta=in_future())
+        kill_dead(core, db, "beta")
+    core.declare_queue(db, "declared-only")
+    db.execute("SET jit = off")  # as the dashboard's connections (see dashboard/app.py)
+    admin = Admin(db, schema)
+    exact = {q["queue"]: q for q in admin.queues()}
+    since = time.monotonic()
+    states = ("ready", "delayed", "running", "waiting", "dead")
+    for bound in (1, 2, 3, 100):
+        bounded = {q["queue"]: q for q in admin.queues(bound=bound)}
+        assert set(bounded) == set(exact) == {"alpha", "beta", "declared-only"}
+        for name, q in exact.items():
+            for state in states:
+                assert bounded[name][state] == min(q[state], bound + 1), (bound, name, state)
+            assert bounded[name]["paused"] == q["paused"]
+            assert bounded[name]["settled"] == q["settled"]
+            age = q["oldest_ready_age"]
+            assert (bounded[name]["oldest_ready_age"] is None) == (age is None)
+            if age is not None:
+                drift = time.monotonic() - since + 1  # ages grow as the test runs
+                assert age <= bounded[name]["oldest_ready_age"] <= age + drift
+    assert exact["alpha"]["ready"] == 3 and exact["alpha"]["delayed"] == 4
+    assert s["running"] and exact["alpha"]["running"] == 1

@@ -21,6 +21,7 @@ from urllib.parse import quote, urlencode
 
 import psycopg
 from jinja2 import Environment, FileSystemLoader, select_autoescape
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg_pool import ConnectionPool, PoolTimeout
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -53,6 +54,9 @@ log = logging.getLogger(__name__)
 HERE = Path(__file__).resolve().parent
 T = TypeVar("T")
 
+#: the overview counts each queue's rows up to this many per state ("5,000+" beyond): a
+#: bounded read of the indexes whatever the table holds (Admin.queues(bound=...))
+COUNT_BOUND = 5_000
 #: a page's statements may not run longer than this (seconds)
 STATEMENT_TIMEOUT = 15.0
 #: what every answer says about framing, sniffing, referrers and where scripts may come from
@@ -97,6 +101,7 @@ class Dashboard:
     schema: str
     guard: Guard
     pool_size: int = 4
+    count_bound: int = 5_000
     templates: Environment = field(init=False)
     _pool: ConnectionPool | None = field(default=None, init=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
@@ -197,10 +202,13 @@ def wants_json(request: Request) -> bool:
 
 def create_app(dsn: str, *, schema: str = "pgjobs", write: bool = False,
                token: str | None = None, secret: bytes | None = None, pool_size: int = 4,
-               debug: bool = False) -> Starlette:
+               count_bound: int = COUNT_BOUND, debug: bool = False) -> Starlette:
     """The dashboard for the pgjobs ``schema`` of the database at ``dsn`` (a pgjobs:// or
     postgresql:// URL). Read-only unless ``write`` is true, which needs ``token`` (at least
-    16 characters): the operator signs in with it, or scripts send it as a bearer token."""
+    16 characters): the operator signs in with it, or scripts send it as a bearer token.
+    ``count_bound``: the overview's counts are exact up to this many per queue and state.
+    ``secret`` signs the session and CSRF cookies (default: derived from the token, so every
+    process given the same token agrees)."""
     from . import actions, pages
 
     validate_schema_name(schema)
@@ -208,9 +216,14 @@ def create_app(dsn: str, *, schema: str = "pgjobs", write: bool = False,
         raise DashboardTokenRequired()
     conninfo = conninfo_from_url(dsn, TransportOptions(schema=schema,
                                                        statement_timeout=STATEMENT_TIMEOUT))
+    # JIT off: the planner's cost of a bounded count over a big table passes jit_above_cost,
+    # and compiling took 1 s for a statement that runs in 50 ms (bench/dashboard.py)
+    startup = conninfo_to_dict(conninfo).get("options") or ""
+    conninfo = make_conninfo(conninfo, options=f"{startup} -c jit=off".strip())
     dash = Dashboard(conninfo=conninfo, schema=schema,
                      guard=Guard.make(write=write, token=token if write else None,
-                                      secret=secret), pool_size=pool_size)
+                                      secret=secret), pool_size=pool_size,
+                     count_bound=count_bound)
 
     async def on_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, PgJobsError)

@@ -19,6 +19,8 @@ __all__ = ["chart", "routes"]
 
 #: minutes of settle counters the overview's chart shows
 CHART_MINUTES = 30
+#: tenants listed on the tenants page (those with the most live messages)
+TENANTS = 50
 #: rows per page of every listing
 PAGE = 50
 #: characters of a message body shown on its page
@@ -57,15 +59,19 @@ def chart(series: dict[str, list[int]], minutes: int = CHART_MINUTES,
 def routes(dash: Dashboard) -> list[BaseRoute]:
     async def overview(request: Request) -> Response:
         def read(admin: Admin) -> dict[str, Any]:
-            return {"queues": admin.queues(minutes=5),
+            return {"queues": admin.queues(minutes=5, bound=dash.count_bound),
                     "series": admin.throughput(minutes=CHART_MINUTES),
-                    "tenants": admin.tenant_stats(10),
                     "workers": admin.workers(leases=0)}
 
         data = await dash.run(read)
         for q in data["queues"]:
             q["chart"] = chart(data["series"].get(q["queue"], {}))
-        return dash.render(request, "overview.html", {**data, "minutes": CHART_MINUTES})
+        return dash.render(request, "overview.html",
+                           {**data, "minutes": CHART_MINUTES, "bound": dash.count_bound})
+
+    async def tenants(request: Request) -> Response:
+        rows = await dash.run(lambda admin: admin.tenant_stats(TENANTS))
+        return dash.render(request, "tenants.html", {"tenants": rows, "top": TENANTS})
 
     async def messages(request: Request) -> Response:
         filters = {k: _arg(request, k) for k in ("queue", "state", "task", "tenant")}
@@ -125,5 +131,6 @@ def routes(dash: Dashboard) -> list[BaseRoute]:
         Route("/dead/{id}", dead_letter, name="dead_letter"),
         Route("/limits", limits, name="limits"),
         Route("/workers", workers, name="workers"),
+        Route("/tenants", tenants, name="tenants"),
         Route("/login", login, name="login"),
     ]

@@ -85,6 +85,9 @@ SELECT n.name AS queue,
    CROSS JOIN LATERAL (SELECT strpos(j.message::text, '\u0000') + strpos(j.message::text, '\ud')
                             + strpos(j.message::text, '\uD') = 0 AS plain) AS jg
   WHERE j.id > %(after)s
+    -- %(any_live)s false (only dead letters wanted): a constant the planner folds, so this
+    -- branch reads nothing instead of every live row to find none
+    AND %(any_live)s::bool
     AND (%(queue)s::text IS NULL OR j.queue = %(queue)s)
     AND (%(task)s::text IS NULL OR j.task = %(task)s)
     AND (%(tenant)s::text IS NULL OR j.tenant = %(tenant)s)
@@ -541,3 +544,102 @@ SELECT queue, outcome,
  WHERE bucket >= date_trunc('minute', now()) - make_interval(mins => %(minutes)s::int - 1)
  GROUP BY queue, outcome, bucket
  ORDER BY queue, outcome, bucket;
+
+-- name: admin_queue_stats_bounded :many
+-- admin_queue_stats for a big table (the dashboard's overview): every count is read from an
+-- index and stops at %(bound)s + 1 rows (that value means "more than %(bound)s"), so the
+-- statement reads a bounded number of index entries per queue whatever the table holds, never
+-- the whole table. Queues: the declared ones, those with dead letters, due or delayed rows
+-- (skip scans of pgjobs_dead_letter_queue_idx, pgjobs_job_ready_idx and pgjobs_job_delayed_idx:
+-- one probe per queue) and running or waiting rows (their partial indexes: as many entries as
+-- leases held and rows parked). The oldest ready age is the oldest of each priority level's
+-- head in the claim index (a skip scan over the levels present) and of the due rows still
+-- flagged delayed (pgjobs_job_delayed_idx). Paused and the settle counters as in
+-- admin_queue_stats.
+WITH RECURSIVE due_q(queue) AS (
+    (SELECT queue FROM {schema}.pgjobs_job WHERE state = 'ready' AND NOT delayed
+      ORDER BY queue LIMIT 1)
+    UNION ALL
+    SELECT (SELECT j.queue FROM {schema}.pgjobs_job AS j
+             WHERE j.state = 'ready' AND NOT j.delayed AND j.queue > d.queue
+             ORDER BY j.queue LIMIT 1)
+      FROM due_q AS d WHERE d.queue IS NOT NULL
+), delayed_q(queue) AS (
+    (SELECT queue FROM {schema}.pgjobs_job WHERE state = 'ready' AND delayed
+      ORDER BY queue LIMIT 1)
+    UNION ALL
+    SELECT (SELECT j.queue FROM {schema}.pgjobs_job AS j
+             WHERE j.state = 'ready' AND j.delayed AND j.queue > d.queue
+             ORDER BY j.queue LIMIT 1)
+      FROM delayed_q AS d WHERE d.queue IS NOT NULL
+), dead_q(queue) AS (
+    (SELECT queue FROM {schema}.pgjobs_dead_letter ORDER BY queue LIMIT 1)
+    UNION ALL
+    SELECT (SELECT x.queue FROM {schema}.pgjobs_dead_letter AS x WHERE x.queue > d.queue
+             ORDER BY x.queue LIMIT 1)
+      FROM dead_q AS d WHERE d.queue IS NOT NULL
+), names AS (
+    SELECT name FROM {schema}.pgjobs_queue
+    UNION SELECT queue FROM due_q WHERE queue IS NOT NULL
+    UNION SELECT queue FROM delayed_q WHERE queue IS NOT NULL
+    UNION SELECT queue FROM dead_q WHERE queue IS NOT NULL
+    UNION SELECT queue FROM {schema}.pgjobs_job WHERE state = 'running'
+    UNION SELECT queue FROM {schema}.pgjobs_job WHERE state = 'waiting'
+), recent AS (
+    SELECT queue, jsonb_object_agg(outcome, n) AS settled
+      FROM (SELECT queue, outcome, sum(n)::bigint AS n
+              FROM {schema}.pgjobs_counter
+             WHERE bucket >= date_trunc('minute', now())
+                             - make_interval(mins => %(minutes)s::int - 1)
+             GROUP BY queue, outcome) AS c
+     GROUP BY queue
+)
+SELECT n.name AS queue,
+       least(%(bound)s::int + 1,
+             (SELECT count(*) FROM (SELECT 1 FROM {schema}.pgjobs_job AS j
+                                     WHERE j.queue = n.name AND j.state = 'ready'
+                                       AND NOT j.delayed AND j.run_at <= now()
+                                     LIMIT %(bound)s::int + 1) AS r)
+             + (SELECT count(*) FROM (SELECT 1 FROM {schema}.pgjobs_job AS j
+                                       WHERE j.queue = n.name AND j.state = 'ready'
+                                         AND j.delayed AND j.run_at <= now()
+                                       LIMIT %(bound)s::int + 1) AS r)) AS ready,
+       (SELECT count(*) FROM (SELECT 1 FROM {schema}.pgjobs_job AS j
+                               WHERE j.queue = n.name AND j.state = 'ready' AND j.delayed
+                                 AND j.run_at > now()
+                               LIMIT %(bound)s::int + 1) AS r) AS delayed,
+       (SELECT count(*) FROM (SELECT 1 FROM {schema}.pgjobs_job AS j
+                               WHERE j.queue = n.name AND j.state = 'running'
+                               LIMIT %(bound)s::int + 1) AS r) AS running,
+       (SELECT count(*) FROM (SELECT 1 FROM {schema}.pgjobs_job AS j
+                               WHERE j.queue = n.name AND j.state = 'waiting'
+                               LIMIT %(bound)s::int + 1) AS r) AS waiting,
+       (SELECT count(*) FROM (SELECT 1 FROM {schema}.pgjobs_dead_letter AS x
+                               WHERE x.queue = n.name
+                               LIMIT %(bound)s::int + 1) AS r) AS dead,
+       coalesce(q.paused, false) AS paused,
+       extract(epoch FROM now() - least(
+           (SELECT min(h.run_at)
+              FROM (WITH RECURSIVE levels(p) AS (
+                        (SELECT priority FROM {schema}.pgjobs_job
+                          WHERE queue = n.name AND state = 'ready' AND NOT delayed
+                          ORDER BY priority DESC LIMIT 1)
+                        UNION ALL
+                        SELECT (SELECT j.priority FROM {schema}.pgjobs_job AS j
+                                 WHERE j.queue = n.name AND j.state = 'ready' AND NOT j.delayed
+                                   AND j.priority < l.p
+                                 ORDER BY j.priority DESC LIMIT 1)
+                          FROM levels AS l WHERE l.p IS NOT NULL)
+                    SELECT (SELECT j.run_at FROM {schema}.pgjobs_job AS j
+                             WHERE j.queue = n.name AND j.state = 'ready' AND NOT j.delayed
+                               AND j.priority = l.p AND j.run_at <= now()
+                             ORDER BY j.priority DESC, j.run_at LIMIT 1) AS run_at
+                      FROM levels AS l WHERE l.p IS NOT NULL) AS h),
+           (SELECT min(j.run_at) FROM {schema}.pgjobs_job AS j
+             WHERE j.queue = n.name AND j.state = 'ready' AND j.delayed
+               AND j.run_at <= now())))::float8 AS oldest_ready_age,
+       coalesce(r.settled, '{{}}'::jsonb) AS settled
+  FROM names AS n
+  LEFT JOIN {schema}.pgjobs_queue AS q ON q.name = n.name
+  LEFT JOIN recent AS r ON r.queue = n.name
+ ORDER BY n.name;
