@@ -99,9 +99,11 @@ def routes(dash: Dashboard) -> list[BaseRoute]:
         cut = preview is not None and len(preview) > BODY_PREVIEW
         error = found.get("last_error")
         trace = error.get("traceback") if isinstance(error, dict) else None
+        if trace is not None:  # shown on its own, as text
+            error = {k: v for k, v in error.items() if k != "traceback"}
         return dash.render(request, "message.html", {
             "m": found, "preview": preview[:BODY_PREVIEW] if preview else None, "cut": cut,
-            "traceback": trace})
+            "error": error, "traceback": trace})
 
     async def dead(request: Request) -> Response:
         filters = {k: _arg(request, k) for k in ("queue", "task", "reason", "tenant")}

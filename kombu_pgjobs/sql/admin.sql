@@ -376,14 +376,15 @@ SELECT name, paused, CASE WHEN NOT paused THEN pg_notify(%(channel)s, name) IS N
 -- name: admin_workers :many
 -- Live consumers (pgjobs_consumer, upserted by each worker's keeper tick) joined with the leases
 -- each process holds in pgjobs_job. A process that holds leases but has no consumer row is gone
--- (its leases lapse within lease_ttl). At most %(leases)s leases are listed per process.
+-- (its leases lapse within lease_ttl). At most %(leases)s leases are listed per process; with
+-- none wanted (the metrics exporter, the dashboard's overview) no lease is even built.
 WITH held AS (
     SELECT worker, count(*) AS running, min(lease_expires_at) AS next_expiry,
            (array_agg(jsonb_build_object(
                 'id', id, 'queue', queue, 'task', task, 'claim', claim,
                 'attempts', attempts, 'cancelled', cancelled_at IS NOT NULL,
                 'lease_remaining', extract(epoch FROM lease_expires_at - now())::float8)
-                ORDER BY id))[1:%(leases)s::int] AS leases
+                ORDER BY id) FILTER (WHERE %(leases)s::int > 0))[1:%(leases)s::int] AS leases
       FROM {schema}.pgjobs_job
      WHERE state = 'running'
      GROUP BY worker
