@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -133,6 +134,14 @@ def test_browser_overview_filter_and_requeue_a_dead_letter(
     for _ in range(3):
         publish(core, db, "reports", task="app.build_report", tenant="acme")
     wait = WebDriverWait(browser, 10)
+
+    # the server the CLI runs answers only its own host names (DNS rebinding), with headers
+    req = urllib.request.Request(server + "/", headers={"Host": "evil.example"})
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(req, timeout=10)
+    assert refused.value.code == 400
+    with urllib.request.urlopen(server + "/", timeout=10) as r:
+        assert "frame-ancestors 'none'" in r.headers["content-security-policy"]
 
     browser.get(server + "/")
     rows = browser.find_elements(By.CSS_SELECTOR, "#queues tbody tr")

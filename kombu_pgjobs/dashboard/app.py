@@ -41,6 +41,7 @@ from ..errors import (
     DashboardUnauthorized,
     DatabaseTimeout,
     DatabaseUnavailable,
+    MigrationError,
     NotFound,
     PgJobsError,
     StateConflict,
@@ -191,7 +192,7 @@ def _status(exc: PgJobsError) -> int:
         return 404
     if isinstance(exc, StateConflict):
         return 409
-    if isinstance(exc, (DatabaseUnavailable, DatabaseTimeout)):
+    if isinstance(exc, (DatabaseUnavailable, DatabaseTimeout, MigrationError)):
         return 503
     return 400
 
