@@ -353,8 +353,11 @@ class Admin:
             if queue is not None or not 1 <= int(bound) <= MAX_BULK_LIMIT:
                 raise InvalidArgument(f"bound must be between 1 and {MAX_BULK_LIMIT} and "
                                       "for every queue")
-            rows = self._dicts("admin_queue_stats_bounded",
-                               {"minutes": int(minutes), "bound": int(bound)})
+            rows = self._dicts("admin_queue_stats_bounded", {"bound": int(bound)})
+            series = self.throughput(minutes=int(minutes))
+            for r in rows:
+                r["settled"] = {outcome: sum(ns) for outcome, ns
+                                in series.get(r["queue"], {}).items()}
         else:
             if queue is not None:
                 self.require_queue(queue)

@@ -53,6 +53,12 @@ def _limit(params: Mapping[str, str]) -> int:
     return int(raw)
 
 
+def _bulk(what: str, params: Mapping[str, str], keys: tuple[str, ...]) -> str:
+    """A bulk action in words: what, the filters given, and its bound."""
+    given = "".join(f", {k} {params[k]}" for k in keys if _opt(params, k))
+    return f"{what}{given} (at most {_limit(params)})"
+
+
 async def _gate(dash: Dashboard, request: Request) -> FormData:
     """Refuse what may not run (see the module's docstring); the form of what may."""
     guard = dash.guard
@@ -153,16 +159,12 @@ def routes(dash: Dashboard) -> list[BaseRoute]:
                       "deleted instead of coming back)",
             lambda a, p: a.cancel([p["id"]]), to_message), methods=post),
         Route("/dead/requeue", action(
-            lambda p: "Requeue dead letters"
-                      + "".join(f", {k} {p[k]}" for k in ("queue", "tenant", "reason")
-                                if _opt(p, k)) + f" (at most {_limit(p)})",
+            lambda p: _bulk("Requeue dead letters", p, ("queue", "tenant", "reason")),
             lambda a, p: a.dead_requeue(queue=_opt(p, "queue"), tenant=_opt(p, "tenant"),
                                         reason=_opt(p, "reason"), limit=_limit(p)),
             to_dead), methods=post),
         Route("/dead/purge", action(
-            lambda p: "Purge dead letters"
-                      + "".join(f", {k} {p[k]}" for k in ("queue", "reason", "older_than")
-                                if _opt(p, k)) + f" (at most {_limit(p)})",
+            lambda p: _bulk("Purge dead letters", p, ("queue", "reason", "older_than")),
             lambda a, p: a.dead_purge(queue=_opt(p, "queue"), reason=_opt(p, "reason"),
                                       older_than=_opt(p, "older_than"), limit=_limit(p)),
             to_dead), methods=post),

@@ -555,8 +555,8 @@ SELECT queue, outcome,
 -- one probe per queue) and running or waiting rows (their partial indexes: as many entries as
 -- leases held and rows parked). The oldest ready age is the oldest of each priority level's
 -- head in the claim index (a skip scan over the levels present) and of the due rows still
--- flagged delayed (pgjobs_job_delayed_idx). Paused and the settle counters as in
--- admin_queue_stats.
+-- flagged delayed (pgjobs_job_delayed_idx). Paused as in admin_queue_stats; Admin adds the
+-- settle counters from admin_counter_series.
 WITH RECURSIVE due_q(queue) AS (
     (SELECT queue FROM {schema}.pgjobs_job WHERE state = 'ready' AND NOT delayed
       ORDER BY queue LIMIT 1)
@@ -586,14 +586,6 @@ WITH RECURSIVE due_q(queue) AS (
     UNION SELECT queue FROM dead_q WHERE queue IS NOT NULL
     UNION SELECT queue FROM {schema}.pgjobs_job WHERE state = 'running'
     UNION SELECT queue FROM {schema}.pgjobs_job WHERE state = 'waiting'
-), recent AS (
-    SELECT queue, jsonb_object_agg(outcome, n) AS settled
-      FROM (SELECT queue, outcome, sum(n)::bigint AS n
-              FROM {schema}.pgjobs_counter
-             WHERE bucket >= date_trunc('minute', now())
-                             - make_interval(mins => %(minutes)s::int - 1)
-             GROUP BY queue, outcome) AS c
-     GROUP BY queue
 )
 SELECT n.name AS queue,
        least(%(bound)s::int + 1,
@@ -638,9 +630,7 @@ SELECT n.name AS queue,
                       FROM levels AS l WHERE l.p IS NOT NULL) AS h),
            (SELECT min(j.run_at) FROM {schema}.pgjobs_job AS j
              WHERE j.queue = n.name AND j.state = 'ready' AND j.delayed
-               AND j.run_at <= now())))::float8 AS oldest_ready_age,
-       coalesce(r.settled, '{{}}'::jsonb) AS settled
+               AND j.run_at <= now())))::float8 AS oldest_ready_age
   FROM names AS n
   LEFT JOIN {schema}.pgjobs_queue AS q ON q.name = n.name
-  LEFT JOIN recent AS r ON r.queue = n.name
  ORDER BY n.name;
