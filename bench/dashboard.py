@@ -12,6 +12,10 @@ with --refill or when the row count differs. Then every page is requested --requ
 in-process through Starlette's test client (the app, the pool, Admin's statements and the
 template, without a socket), after one warm-up request, and the median, p95 and max are
 printed per page, as a markdown table.
+
+``--screenshots DIR`` then serves the data set with ``pgjobs dashboard --write`` and saves the
+overview, a filtered message list and a dead letter as PNGs from headless Chromium (Debian's
+``chromium`` and ``chromium-driver``, through Selenium): the pictures in docs/dashboard.md.
 """
 
 from __future__ import annotations
@@ -160,12 +164,71 @@ def measure(requests: int) -> list[dict[str, Any]]:
     return out
 
 
+def screenshots(directory: str) -> None:
+    import subprocess
+    import urllib.request
+    from pathlib import Path
+
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as ec
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    s = f'"{SCHEMA}"'
+    with psycopg.connect(DSN, autocommit=True) as conn:  # fresh minutes for the chart
+        conn.execute(f"DELETE FROM {s}.pgjobs_counter")
+        conn.execute(COUNTERS.format(s=s).replace("%%", "%"))  # type: ignore[arg-type]
+        conn.execute(f"INSERT INTO {s}.pgjobs_queue (name, paused) VALUES ('queue7', true) "
+                     "ON CONFLICT (name) DO UPDATE SET paused = true")
+        dead = conn.execute(f"SELECT max(id) FROM {s}.pgjobs_dead_letter").fetchone()[0]
+    token = "screenshot-token-0123456789"
+    server = subprocess.Popen(
+        [sys.executable, "-m", "kombu_pgjobs.cli", "dashboard", "--dsn", URL, "--schema",
+         SCHEMA, "--write", "--port", "8799"], env={**os.environ, "PGJOBS_DASHBOARD_TOKEN": token})
+    base = "http://127.0.0.1:8799"
+    options = webdriver.ChromeOptions()
+    options.binary_location = "/usr/bin/chromium"
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage",
+                "--window-size=1360,760", "--hide-scrollbars"):
+        options.add_argument(arg)
+    driver = None
+    try:
+        for _ in range(100):
+            try:
+                urllib.request.urlopen(base + "/", timeout=5).close()
+                break
+            except OSError:
+                time.sleep(0.3)
+        driver = webdriver.Chrome(service=Service("/usr/bin/chromedriver"), options=options)
+        driver.get(base + "/login")
+        driver.find_element(By.NAME, "token").send_keys(token)
+        driver.find_element(By.CSS_SELECTOR, "#login button").click()
+        WebDriverWait(driver, 10).until(
+            ec.presence_of_element_located((By.CSS_SELECTOR, ".badge.rw")))
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        for name, path in (("overview", "/"),
+                           ("messages", "/messages?queue=queue3&state=ready&tenant=tenant-3"),
+                           ("dead-letter", f"/dead/{dead}")):
+            driver.get(base + path)
+            driver.save_screenshot(str(out / f"dashboard-{name}.png"))
+    finally:
+        if driver is not None:
+            driver.quit()
+        server.terminate()
+        server.wait(10)
+        with psycopg.connect(DSN, autocommit=True) as conn:
+            conn.execute(f"UPDATE {s}.pgjobs_queue SET paused = false WHERE name = 'queue7'")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.dashboard", description=__doc__)
     p.add_argument("--rows", type=int, default=1_000_000)
     p.add_argument("--dead", type=int, default=20_000)
     p.add_argument("--requests", type=int, default=15)
     p.add_argument("--json", metavar="FILE", help="also write the figures here")
+    p.add_argument("--screenshots", metavar="DIR", help="then save the docs' screenshots here")
     p.add_argument("--refill", action="store_true")
     args = p.parse_args(argv)
     ensure_database()
@@ -179,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---:|---:|---:|")
     for r in results:
         print(f"| {r['page']} | {r['median_ms']:.1f} | {r['p95_ms']:.1f} | {r['max_ms']:.1f} |")
+    if args.screenshots:
+        screenshots(args.screenshots)
     return 0
 
 

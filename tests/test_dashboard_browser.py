@@ -5,9 +5,6 @@ real Postgres. The browser opens the overview, signs in, filters messages, opens
 and requeues it through the page's own confirmation dialog; the test then reads the row back
 from the database. Under CI=true a missing Chromium or chromedriver fails this test (CI
 installs them, see .ci/run); elsewhere it skips with the reason.
-
-With ``PGJOBS_DASHBOARD_SCREENSHOTS=DIR`` the pages are also saved as PNGs (docs/img/ holds the
-ones the docs show).
 """
 
 from __future__ import annotations
@@ -34,7 +31,6 @@ from tests.test_cli import claim, in_future, kill_dead, publish
 CHROMIUM = os.environ.get("PGJOBS_CHROMIUM", "/usr/bin/chromium")
 CHROMEDRIVER = os.environ.get("PGJOBS_CHROMEDRIVER", "/usr/bin/chromedriver")
 TOKEN = "browser-test-token-0123456789"
-SHOTS = os.environ.get("PGJOBS_DASHBOARD_SCREENSHOTS")
 
 
 def _need_browser() -> None:
@@ -111,12 +107,6 @@ def browser() -> Iterator[Any]:
         driver.quit()
 
 
-def shot(driver: Any, name: str) -> None:
-    if SHOTS:
-        Path(SHOTS).mkdir(parents=True, exist_ok=True)
-        driver.save_screenshot(str(Path(SHOTS) / f"{name}.png"))
-
-
 def test_browser_overview_filter_and_requeue_a_dead_letter(
         db: psycopg.Connection[Any], schema: str, core: QueueCore, server: str,
         browser: Any) -> None:
@@ -147,7 +137,6 @@ def test_browser_overview_filter_and_requeue_a_dead_letter(
     rows = browser.find_elements(By.CSS_SELECTOR, "#queues tbody tr")
     assert [r.find_element(By.CSS_SELECTOR, "td a").text for r in rows] == ["emails", "reports"]
     assert "read-only" not in browser.page_source and "sign in to act" in browser.page_source
-    shot(browser, "overview")
 
     browser.find_element(By.LINK_TEXT, "sign in to act").click()
     browser.find_element(By.NAME, "token").send_keys(TOKEN)
@@ -165,13 +154,11 @@ def test_browser_overview_filter_and_requeue_a_dead_letter(
               for r in browser.find_elements(By.CSS_SELECTOR, "#messages tbody tr[data-id]")]
     # the first two were claimed (running); of the rest, acme's: ready[3]
     assert listed == [ready[3]]
-    shot(browser, "messages")
 
     browser.find_element(By.LINK_TEXT, "Dead letters").click()
     browser.find_element(By.LINK_TEXT, str(dead)).click()
     wait.until(ec.url_contains(f"/dead/{dead}"))
     assert "550 mailbox unavailable" in browser.page_source
-    shot(browser, "dead-letter")
     browser.find_element(By.XPATH, "//button[text()='requeue']").click()
     alert = wait.until(ec.alert_is_present())
     assert f"Requeue dead letter {dead}" in alert.text
@@ -184,5 +171,3 @@ def test_browser_overview_filter_and_requeue_a_dead_letter(
     assert row == ("emails", "ready", 0)
     assert db.execute(f'SELECT count(*) FROM "{schema}".pgjobs_dead_letter WHERE id = %s',
                       [dead]).fetchone()[0] == 0
-    browser.get(server + "/")
-    shot(browser, "overview-signed-in")
