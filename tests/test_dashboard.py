@@ -348,6 +348,12 @@ def test_cli_write_without_token_and_no_web_import(capsys, url, schema, monkeypa
     assert code == 2 and out["error"]["code"] == "PGJ-431"
     code = cli(["dashboard", "--port", "70000", "--dsn", url, "--json"])
     assert code == 2 and json.loads(capsys.readouterr().out)["error"]["code"] == "PGJ-405"
+    monkeypatch.setitem(sys.modules, "uvicorn", None)  # the extra not installed
+    code = cli(["dashboard", "--dsn", url, "--schema", schema, "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 2 and out["error"]["code"] == "PGJ-430"
+    assert "kombu-pgjobs[dashboard]" in out["error"]["message"]
+    monkeypatch.delitem(sys.modules, "uvicorn")
     probe = ("import sys, kombu_pgjobs, kombu_pgjobs.cli, kombu_pgjobs.admin;"
              "kombu_pgjobs.cli.build_parser();"
              "print(sorted(m for m in sys.modules if m.split('.')[0] in "
