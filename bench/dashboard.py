@@ -1,17 +1,19 @@
 """Dashboard page times with 1,000,000 rows in the job table.
 
-    python -m bench.dashboard [--rows 1000000] [--dead 20000] [--requests 15] [--refill]
+    python -m bench.dashboard [--rows 1000000] [--waiting 100000] [--dead 20000]
+                              [--requests 15] [--refill] [--json FILE] [--screenshots DIR]
 
 Fills schema ``bench_dashboard`` of database ``bench_dashboard`` (created when missing, through
 $BENCH_PG_ADMIN_DSN, default postgresql://postgres@127.0.0.1:5432/postgres) with --rows live
 messages over 10 queues (about 90 % due, 10 % delayed, 2,000 running under 17 workers;
-2,000 tenants; Celery-shaped JSON messages), --dead dead letters and 30 minutes of settle
-counters. The fill is one INSERT ... SELECT over generate_series (a benchmark fabricates its
-rows; about 50 s for a million on 2 busy cores) and is kept between runs: it is redone only
-with --refill or when the row count differs. Then every page is requested --requests times
-in-process through Starlette's test client (the app, the pool, Admin's statements and the
-template, without a socket), after one warm-up request, and the median, p95 and max are
-printed per page, as a markdown table.
+2,000 tenants; Celery-shaped JSON messages), --dead dead letters, 30 minutes of settle
+counters, and then (after a VACUUM, so that the visibility map is a busy table's, not all
+visible) --waiting messages parked on one full concurrency key in queue ``flood``. The fill is
+INSERT ... SELECT over generate_series (a benchmark fabricates its rows; about a minute on 2
+busy cores) and is kept between runs: it is redone only with --refill or when the row count
+differs. Then every page is requested --requests times in-process through Starlette's test
+client (the app, the pool, Admin's statements and the template, without a socket), after one
+warm-up request, and the median, p95 and max are printed per page, as a markdown table.
 
 ``--screenshots DIR`` then serves the data set with ``pgjobs dashboard --write`` and saves the
 overview, a filtered message list and a dead letter as PNGs from headless Chromium (Debian's
@@ -81,6 +83,15 @@ SELECT nextval(pg_get_serial_sequence('{s}.pgjobs_job', 'id')), 'queue' || (g %%
                          'properties', json_build_object('body_encoding', 'base64'))
   FROM generate_series(1, %(dead)s) AS g
 """
+FLOOD = """
+INSERT INTO {s}.pgjobs_job (queue, state, task, tenant, waiting_on, limit_key, created_at,
+                            message)
+SELECT 'flood', 'waiting', 'app.sync_account', 'tenant-1', 'key:app.sync_account:acct-1',
+       'key:app.sync_account:acct-1', now() - interval '10 minutes',
+       json_build_object('headers', json_build_object('task', 'app.sync_account',
+                                                      'id', md5('flood' || g)))
+  FROM generate_series(1, %(waiting)s) AS g
+"""
 COUNTERS = """
 INSERT INTO {s}.pgjobs_counter (queue, outcome, bucket, shard, n)
 SELECT 'queue' || q, o, date_trunc('minute', now()) - m * interval '1 minute', 'bench',
@@ -97,12 +108,12 @@ def ensure_database() -> None:
             conn.execute(f'CREATE DATABASE "{DB}"')
 
 
-def fill(rows: int, dead: int, refill: bool) -> None:
+def fill(rows: int, dead: int, waiting: int, refill: bool) -> None:
     s = f'"{SCHEMA}"'
     with psycopg.connect(DSN, autocommit=True) as conn:
         migrate(conn, SCHEMA)
         have = conn.execute(f"SELECT count(*) FROM {s}.pgjobs_job").fetchone()[0]
-        if have == rows and not refill:
+        if have == rows + waiting and not refill:
             print(f"kept: {have} rows", file=sys.stderr)
             return
         started = time.monotonic()
@@ -112,8 +123,12 @@ def fill(rows: int, dead: int, refill: bool) -> None:
         conn.execute(COUNTERS.format(s=s))  # type: ignore[arg-type]
         conn.execute(f"VACUUM ANALYZE {s}.pgjobs_job")
         conn.execute(f"VACUUM ANALYZE {s}.pgjobs_dead_letter")
-        print(f"filled {rows} rows, {dead} dead letters in {time.monotonic() - started:.1f} s",
-              file=sys.stderr)
+        # then a flood parked on one key, written into the free space of pages all over the
+        # table, as a live queue's churn does: index-only reads visit the heap again
+        conn.execute(FLOOD.format(s=s), {"waiting": waiting})  # type: ignore[arg-type]
+        conn.execute(f"ANALYZE {s}.pgjobs_job")
+        print(f"filled {rows} + {waiting} rows, {dead} dead letters in "
+              f"{time.monotonic() - started:.1f} s", file=sys.stderr)
 
 
 def pages() -> list[tuple[str, str]]:
@@ -135,6 +150,7 @@ def pages() -> list[tuple[str, str]]:
         ("messages ?tenant=tenant-42", "/messages?tenant=tenant-42"),
         ("messages ?task=app.task_7", "/messages?task=app.task_7"),
         ("messages ?state=dead", "/messages?state=dead"),
+        ("messages ?state=waiting", "/messages?state=waiting"),
         ("message page", f"/messages/{mid}"),
         ("dead letters", "/dead"),
         ("dead letters ?queue=queue3", "/dead?queue=queue3"),
@@ -226,18 +242,22 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.dashboard", description=__doc__)
     p.add_argument("--rows", type=int, default=1_000_000)
     p.add_argument("--dead", type=int, default=20_000)
+    p.add_argument("--waiting", type=int, default=100_000,
+                   help="messages parked on one full key, in queue 'flood'")
     p.add_argument("--requests", type=int, default=15)
     p.add_argument("--json", metavar="FILE", help="also write the figures here")
     p.add_argument("--screenshots", metavar="DIR", help="then save the docs' screenshots here")
     p.add_argument("--refill", action="store_true")
     args = p.parse_args(argv)
     ensure_database()
-    fill(args.rows, args.dead, args.refill)
+    fill(args.rows, args.dead, args.waiting, args.refill)
     results = measure(args.requests)
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"rows": args.rows, "dead": args.dead, "pages": results}, fh, indent=2)
-    print(f"| page ({args.rows:,} rows in pgjobs_job, {args.dead:,} dead letters) "
+            json.dump({"rows": args.rows, "waiting": args.waiting, "dead": args.dead,
+                       "pages": results}, fh, indent=2)
+    print(f"| page ({args.rows + args.waiting:,} rows in pgjobs_job ({args.waiting:,} waiting), "
+          f"{args.dead:,} dead letters) "
           "| median ms | p95 ms | max ms |")
     print("|---|---:|---:|---:|")
     for r in results:

@@ -393,3 +393,18 @@ def test_overview_counts_are_exact_up_to_the_bound(core, db, schema):
                 assert age <= bounded[name]["oldest_ready_age"] <= age + drift
     assert exact["alpha"]["ready"] == 3 and exact["alpha"]["delayed"] == 4
     assert s["running"] and exact["alpha"]["running"] == 1
+    assert not any(q["running_more"] or q["waiting_more"] for q in admin.queues(bound=1))
+    # running rows are read once for every queue, at most 10 x bound of them: past that the
+    # counts are lower bounds, and say so
+    for _ in range(12):
+        publish(core, db, "gamma")
+    assert len(claim(core, db, "gamma", 12)) == 12  # 13 running in all
+    exact = {q["queue"]: q for q in admin.queues()}
+    bounded = {q["queue"]: q for q in admin.queues(bound=1)}
+    assert all(q["running_more"] for q in bounded.values())
+    assert sum(min(q["running"], 2) for q in exact.values()) >= \
+        sum(q["running"] for q in bounded.values()) >= 1
+    for name, q in bounded.items():
+        assert q["running"] <= min(exact[name]["running"], 2)
+    assert {q["queue"]: q["running_more"] for q in admin.queues(bound=2)} == \
+        dict.fromkeys(exact, False)  # 13 <= 20: exact again

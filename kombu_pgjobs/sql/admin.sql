@@ -552,10 +552,9 @@ SELECT queue, outcome,
 -- statement reads a bounded number of index entries per queue whatever the table holds, never
 -- the whole table. Queues: the declared ones, those with dead letters, due or delayed rows
 -- (skip scans of pgjobs_dead_letter_queue_idx, pgjobs_job_ready_idx and pgjobs_job_delayed_idx:
--- one probe per queue) and running or waiting rows (their partial indexes: as many entries as
--- leases held and rows parked). The oldest ready age is the oldest of each priority level's
--- head in the claim index (a skip scan over the levels present) and of the due rows still
--- flagged delayed (pgjobs_job_delayed_idx). Paused as in admin_queue_stats; Admin adds the
+-- one probe per queue) and running or waiting rows (see held). The oldest ready age is the
+-- oldest of each priority level's head in the claim index (a skip scan over the levels
+-- present) and of the due rows still flagged delayed (pgjobs_job_delayed_idx). Paused as in admin_queue_stats; Admin adds the
 -- settle counters from admin_counter_series.
 WITH RECURSIVE due_q(queue) AS (
     (SELECT queue FROM {schema}.pgjobs_job WHERE state = 'ready' AND NOT delayed
@@ -579,36 +578,58 @@ WITH RECURSIVE due_q(queue) AS (
     SELECT (SELECT x.queue FROM {schema}.pgjobs_dead_letter AS x WHERE x.queue > d.queue
              ORDER BY x.queue LIMIT 1)
       FROM dead_q AS d WHERE d.queue IS NOT NULL
+), held AS (
+    -- running and waiting rows have no index led by queue: one pass over each state's partial
+    -- index (a flood parked on one key must not be read once per queue), at most 10 x
+    -- %(bound)s running rows (leases: as many as the workers' slots) and %(bound)s + 1 waiting
+    -- ones in all; past that the counts are lower bounds (running_more, waiting_more)
+    SELECT queue, state, count(*) AS n, sum(count(*)) OVER (PARTITION BY state) AS seen
+      FROM ((SELECT queue, state FROM {schema}.pgjobs_job WHERE state = 'running'
+              ORDER BY lease_expires_at  -- pgjobs_job_lease_idx's order: never the table
+              LIMIT %(bound)s::int * 10)
+            UNION ALL
+            (SELECT queue, state FROM {schema}.pgjobs_job WHERE state = 'waiting'
+              ORDER BY waiting_on, priority DESC, run_at, id  -- pgjobs_job_waiting_idx's
+              LIMIT %(bound)s::int + 1)) AS h
+     GROUP BY queue, state
 ), names AS (
     SELECT name FROM {schema}.pgjobs_queue
     UNION SELECT queue FROM due_q WHERE queue IS NOT NULL
     UNION SELECT queue FROM delayed_q WHERE queue IS NOT NULL
     UNION SELECT queue FROM dead_q WHERE queue IS NOT NULL
-    UNION SELECT queue FROM {schema}.pgjobs_job WHERE state = 'running'
-    UNION SELECT queue FROM {schema}.pgjobs_job WHERE state = 'waiting'
+    UNION SELECT queue FROM held
 )
 SELECT n.name AS queue,
        least(%(bound)s::int + 1,
              (SELECT count(*) FROM (SELECT 1 FROM {schema}.pgjobs_job AS j
                                      WHERE j.queue = n.name AND j.state = 'ready'
                                        AND NOT j.delayed AND j.run_at <= now()
+                                     -- the index's order: never a scan of the table
+                                     ORDER BY j.priority DESC, j.run_at, j.id
                                      LIMIT %(bound)s::int + 1) AS r)
              + (SELECT count(*) FROM (SELECT 1 FROM {schema}.pgjobs_job AS j
                                        WHERE j.queue = n.name AND j.state = 'ready'
                                          AND j.delayed AND j.run_at <= now()
+                                       ORDER BY j.run_at
                                        LIMIT %(bound)s::int + 1) AS r)) AS ready,
        (SELECT count(*) FROM (SELECT 1 FROM {schema}.pgjobs_job AS j
                                WHERE j.queue = n.name AND j.state = 'ready' AND j.delayed
                                  AND j.run_at > now()
+                               ORDER BY j.run_at
                                LIMIT %(bound)s::int + 1) AS r) AS delayed,
-       (SELECT count(*) FROM (SELECT 1 FROM {schema}.pgjobs_job AS j
-                               WHERE j.queue = n.name AND j.state = 'running'
-                               LIMIT %(bound)s::int + 1) AS r) AS running,
-       (SELECT count(*) FROM (SELECT 1 FROM {schema}.pgjobs_job AS j
-                               WHERE j.queue = n.name AND j.state = 'waiting'
-                               LIMIT %(bound)s::int + 1) AS r) AS waiting,
+       least(%(bound)s::int + 1, coalesce((SELECT h.n FROM held AS h
+                                            WHERE h.queue = n.name AND h.state = 'running'), 0)
+             ) AS running,
+       least(%(bound)s::int + 1, coalesce((SELECT h.n FROM held AS h
+                                            WHERE h.queue = n.name AND h.state = 'waiting'), 0)
+             ) AS waiting,
+       coalesce((SELECT max(h.seen) FROM held AS h WHERE h.state = 'running'), 0)
+           >= %(bound)s::int * 10 AS running_more,
+       coalesce((SELECT max(h.seen) FROM held AS h WHERE h.state = 'waiting'), 0)
+           > %(bound)s::int AS waiting_more,
        (SELECT count(*) FROM (SELECT 1 FROM {schema}.pgjobs_dead_letter AS x
                                WHERE x.queue = n.name
+                               ORDER BY x.died_at
                                LIMIT %(bound)s::int + 1) AS r) AS dead,
        coalesce(q.paused, false) AS paused,
        extract(epoch FROM now() - least(
