@@ -373,7 +373,8 @@ def test_overview_counts_are_exact_up_to_the_bound(core, db, schema):
         publish(core, db, "alpha", eta=in_future())
         kill_dead(core, db, "beta")
     core.declare_queue(db, "declared-only")
-    db.execute("SET jit = off")  # as the dashboard's connections (see dashboard/app.py)
+    db.execute("SET jit = off")  # as the dashboard's connections do (see dashboard/app.py)
+    db.execute("SET enable_bitmapscan = off")
     admin = Admin(db, schema)
     exact = {q["queue"]: q for q in admin.queues()}
     since = time.monotonic()
