@@ -63,8 +63,9 @@ def cmd_dashboard(args: argparse.Namespace) -> None:
         log.warning("pgjobs.dashboard.exposed write mode on %s: put it behind TLS",
                     args.bind, extra={"action": "dashboard"})
     mode = "write" if args.write else "read-only"
-    sys.stderr.write(f"pgjobs dashboard: http://{args.bind}:{args.port}{args.root_path} "
-                     f"({mode}, schema {args.schema})\n")
+    behind = f", links under {args.root_path}" if args.root_path else ""
+    sys.stderr.write(f"pgjobs dashboard: http://{args.bind}:{args.port} "
+                     f"({mode}, schema {args.schema}{behind})\n")
     sys.stderr.flush()
     uvicorn.run(app, host=args.bind, port=args.port, root_path=args.root_path,
                 log_level=args.log_level, proxy_headers=False, server_header=False)
