@@ -409,3 +409,19 @@ def test_overview_counts_are_exact_up_to_the_bound(core, db, schema):
         assert q["running"] <= min(exact[name]["running"], 2)
     assert {q["queue"]: q["running_more"] for q in admin.queues(bound=2)} == \
         dict.fromkeys(exact, False)  # 13 <= 20: exact again
+
+
+def test_pages_survive_terminated_connections(core, db, client, schema):
+    """A terminated backend (a failover, an admin's pg_terminate_backend) is an ordinary
+    event: the pool finds the dead connection and the next page is served on a new one."""
+    s = seeded(core, db)
+    c = client()
+    assert c.get("/").status_code == 200
+    name = f"pgjobs-dashboard:{schema}"
+    killed = db.execute("SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                        "WHERE application_name = %s", [name]).fetchone()[0]
+    assert killed >= 1
+    for path in ("/", f"/messages/{s['running']}", "/dead", "/workers"):
+        assert c.get(path).status_code == 200, path
+    assert db.execute("SELECT count(*) FROM pg_stat_activity WHERE application_name = %s",
+                      [name]).fetchone()[0] >= 1

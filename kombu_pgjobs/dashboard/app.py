@@ -216,8 +216,9 @@ def create_app(dsn: str, *, schema: str = "pgjobs", write: bool = False,
     validate_schema_name(schema)
     if write and (not token or len(token) < MIN_TOKEN):
         raise DashboardTokenRequired()
-    conninfo = conninfo_from_url(dsn, TransportOptions(schema=schema,
-                                                       statement_timeout=STATEMENT_TIMEOUT))
+    conninfo = conninfo_from_url(dsn, TransportOptions(
+        schema=schema, statement_timeout=STATEMENT_TIMEOUT,
+        application_name=f"pgjobs-dashboard:{schema}"))  # what pg_stat_activity shows
     # Every statement a page runs is a bounded read in an index's order, and two planner
     # habits fought that on a big table (bench/dashboard.py, 1M rows): JIT, because a bounded
     # count's estimated cost passes jit_above_cost (compiling took 1 s for a statement that
