@@ -100,7 +100,7 @@ def browser() -> Iterator[Any]:
                 "--disable-gpu", "--window-size=1360,860"):
         options.add_argument(arg)
     driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
-    driver.implicitly_wait(5)
+    driver.implicitly_wait(15)  # a loaded CI machine
     try:
         yield driver
     finally:
@@ -123,7 +123,7 @@ def test_browser_overview_filter_and_requeue_a_dead_letter(
     publish(core, db, "emails", task="app.send_email", eta=in_future())
     for _ in range(3):
         publish(core, db, "reports", task="app.build_report", tenant="acme")
-    wait = WebDriverWait(browser, 10)
+    wait = WebDriverWait(browser, 30)
 
     # the server the CLI runs answers only its own host names (DNS rebinding), with headers
     req = urllib.request.Request(server + "/", headers={"Host": "evil.example"})
