@@ -343,12 +343,26 @@ class Admin:
         return found
 
     # -- looking ------------------------------------------------------------------------
-    def queues(self, queue: str | None = None, *, minutes: int = 5) -> list[dict[str, Any]]:
+    def queues(self, queue: str | None = None, *, minutes: int = 5,
+               bound: int | None = None) -> list[dict[str, Any]]:
+        """Per queue counts, exact; with ``bound``, every count of every queue read from an
+        index and cut at ``bound + 1`` (meaning "more than bound"): a bounded read on a table
+        of any size (the dashboard's overview)."""
         if not 1 <= int(minutes) <= 1440:
             raise InvalidArgument(f"--minutes must be between 1 and 1440, got {minutes}")
-        if queue is not None:
-            self.require_queue(queue)
-        rows = self._dicts("admin_queue_stats", {"queue": queue, "minutes": int(minutes)})
+        if bound is not None:
+            if queue is not None or not 1 <= int(bound) <= MAX_BULK_LIMIT:
+                raise InvalidArgument(f"bound must be between 1 and {MAX_BULK_LIMIT} and "
+                                      "for every queue")
+            rows = self._dicts("admin_queue_stats_bounded", {"bound": int(bound)})
+            series = self.throughput(minutes=int(minutes))
+            for r in rows:
+                r["settled"] = {outcome: sum(ns) for outcome, ns
+                                in series.get(r["queue"], {}).items()}
+        else:
+            if queue is not None:
+                self.require_queue(queue)
+            rows = self._dicts("admin_queue_stats", {"queue": queue, "minutes": int(minutes)})
         for r in rows:
             settled = {k: int(v) for k, v in (r.pop("settled") or {}).items()}
             r["settled"] = settled
@@ -372,6 +386,7 @@ class Admin:
         cursor = 0 if after in (None, "") else _ids([after])[0]
         rows = self._listing("admin_ls", {
             "states": wanted, "every_live": set(LIVE_STATES) <= set(wanted),
+            "any_live": bool(set(LIVE_STATES) & set(wanted)),
             "queue": queue, "task": task, "tenant": tenant,
             "created_after": self.time_arg(created_after),
             "created_before": self.time_arg(created_before),
@@ -441,6 +456,18 @@ class Admin:
         if not 1 <= int(top) <= MAX_PAGE:
             raise InvalidArgument(f"--tenants must be between 0 and {MAX_PAGE}, got {top}")
         return self._dicts("admin_tenant_stats", {"top": int(top)})
+
+    def throughput(self, *, minutes: int = 30) -> dict[str, dict[str, list[int]]]:
+        """Settles per minute over the last ``minutes``: {queue: {outcome: [n, ...]}}, oldest
+        minute first, the current (partial) minute last; minutes without settles are 0."""
+        if not 1 <= int(minutes) <= 1440:
+            raise InvalidArgument(f"minutes must be between 1 and 1440, got {minutes}")
+        out: dict[str, dict[str, list[int]]] = {}
+        for r in self._dicts("admin_counter_series", {"minutes": int(minutes)}):
+            series = out.setdefault(r["queue"], {}).setdefault(r["outcome"], [0] * minutes)
+            if 0 <= r["ago"] < minutes:
+                series[minutes - 1 - r["ago"]] += int(r["n"])
+        return out
 
     # -- changing -----------------------------------------------------------------------
     def dead_requeue(self, ids: Sequence[Any] | None = None, *, queue: str | None = None,

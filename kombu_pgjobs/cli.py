@@ -717,6 +717,8 @@ def build_parser() -> argparse.ArgumentParser:
     register_outbox(sub, common, _add)
     from .schedule_cli import add_schedule_commands  # here: schedule_cli imports cli
     add_schedule_commands(sub, common)
+    from .dashboard.command import register as register_dashboard  # argparse only, no web
+    register_dashboard(sub, common)
     return parser
 
 

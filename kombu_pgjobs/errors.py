@@ -61,8 +61,8 @@ __all__ = [
     "TenantRequired",
     "UnknownQueue",
     "UnknownState",
-    "UnsupportedConnection",
     "UnknownTimezone",
+    "UnsupportedConnection",
     "UsageError",
     "WebhookEndpointDisabled",
     "WebhookEndpointNotFound",
@@ -393,6 +393,46 @@ class ScheduleEntryExists(ConfigurationError):
     """A schedule entry with this name exists: remove it first, or pass ``--replace``."""
 
     code = "PGJ-606"
+# -- the operator dashboard (PGJ-430..449) ------------------------------------------------------
+class DashboardNotInstalled(ConfigurationError):
+    """The dashboard's web packages are not installed: ``pip install 'kombu-pgjobs[dashboard]'``."""
+
+    code = "PGJ-430"
+
+
+class DashboardTokenRequired(ConfigurationError):
+    """The dashboard's write mode needs a token of at least 16 characters (``--auth-token`` or
+    ``PGJOBS_DASHBOARD_TOKEN``): without one it would let anyone who reaches the port change
+    queues. Leave out ``--write`` for the read-only dashboard."""
+
+    code = "PGJ-431"
+
+
+class DashboardReadOnly(PgJobsError):
+    """The dashboard is read-only (the default): start it with ``--write`` and a token to allow
+    actions. Answered with HTTP 403; nothing was changed."""
+
+    code = "PGJ-432"
+
+
+class DashboardUnauthorized(PgJobsError):
+    """The dashboard action came without the write token, or with a wrong one: sign in with
+    the token (or send ``Authorization: Bearer TOKEN``). Answered with HTTP 403; nothing was
+    changed."""
+
+    code = "PGJ-433"
+
+
+class DashboardCsrfFailed(PgJobsError):
+    """The dashboard form came without a valid CSRF token (a forged cross-site request, or a
+    form older than the server): reload the page and submit again. Answered with HTTP 403;
+    nothing was changed."""
+
+    code = "PGJ-434"
+
+
+__all__ += ["DashboardCsrfFailed", "DashboardNotInstalled", "DashboardReadOnly",
+            "DashboardTokenRequired", "DashboardUnauthorized"]
 
 
 def all_error_classes() -> list[type[PgJobsError]]:

@@ -85,6 +85,9 @@ SELECT n.name AS queue,
    CROSS JOIN LATERAL (SELECT strpos(j.message::text, '\u0000') + strpos(j.message::text, '\ud')
                             + strpos(j.message::text, '\uD') = 0 AS plain) AS jg
   WHERE j.id > %(after)s
+    -- %(any_live)s false (only dead letters wanted): a constant the planner folds, so this
+    -- branch reads nothing instead of every live row to find none
+    AND %(any_live)s::bool
     AND (%(queue)s::text IS NULL OR j.queue = %(queue)s)
     AND (%(task)s::text IS NULL OR j.task = %(task)s)
     AND (%(tenant)s::text IS NULL OR j.tenant = %(tenant)s)
@@ -377,14 +380,15 @@ SELECT name, paused, CASE WHEN NOT paused THEN pg_notify(%(channel)s, name) IS N
 -- name: admin_workers :many
 -- Live consumers (pgjobs_consumer, upserted by each worker's keeper tick) joined with the leases
 -- each process holds in pgjobs_job. A process that holds leases but has no consumer row is gone
--- (its leases lapse within lease_ttl). At most %(leases)s leases are listed per process.
+-- (its leases lapse within lease_ttl). At most %(leases)s leases are listed per process; with
+-- none wanted (the metrics exporter, the dashboard's overview) no lease is even built.
 WITH held AS (
     SELECT worker, count(*) AS running, min(lease_expires_at) AS next_expiry,
            (array_agg(jsonb_build_object(
                 'id', id, 'queue', queue, 'task', task, 'claim', claim,
                 'attempts', attempts, 'cancelled', cancelled_at IS NOT NULL,
                 'lease_remaining', extract(epoch FROM lease_expires_at - now())::float8)
-                ORDER BY id))[1:%(leases)s::int] AS leases
+                ORDER BY id) FILTER (WHERE %(leases)s::int > 0))[1:%(leases)s::int] AS leases
       FROM {schema}.pgjobs_job
      WHERE state = 'running'
      GROUP BY worker
@@ -533,3 +537,125 @@ SELECT limit_key AS key, window_start, starts
    AND (%(prefix)s::text IS NULL OR starts_with(limit_key, %(prefix)s))
  ORDER BY limit_key, window_start DESC
  LIMIT %(limit)s;
+
+-- name: admin_counter_series :many
+-- Settled messages per queue, outcome and minute over the last %(minutes)s minutes (the
+-- current, partial minute included; `ago` 0 is the current minute): the dashboard's throughput
+-- chart. Reads only that window of buckets (pgjobs_counter_bucket_idx), never the job table.
+SELECT queue, outcome,
+       (extract(epoch FROM date_trunc('minute', now()) - bucket) / 60)::int AS ago,
+       sum(n)::bigint AS n
+  FROM {schema}.pgjobs_counter
+ WHERE bucket >= date_trunc('minute', now()) - make_interval(mins => %(minutes)s::int - 1)
+ GROUP BY queue, outcome, bucket
+ ORDER BY queue, outcome, bucket;
+
+-- name: admin_queue_stats_bounded :many
+-- admin_queue_stats for a big table (the dashboard's overview): every count is read from an
+-- index and stops at %(bound)s + 1 rows (that value means "more than %(bound)s"), so the
+-- statement reads a bounded number of index entries per queue whatever the table holds, never
+-- the whole table. Queues: the declared ones, those with dead letters, due or delayed rows
+-- (skip scans of pgjobs_dead_letter_queue_idx, pgjobs_job_ready_idx and pgjobs_job_delayed_idx:
+-- one probe per queue) and running or waiting rows (see held). The oldest ready age is the
+-- oldest of each priority level's head in the claim index (a skip scan over the levels
+-- present) and of the due rows still flagged delayed (pgjobs_job_delayed_idx). Paused as in admin_queue_stats; Admin adds the
+-- settle counters from admin_counter_series.
+WITH RECURSIVE due_q(queue) AS (
+    (SELECT queue FROM {schema}.pgjobs_job WHERE state = 'ready' AND NOT delayed
+      ORDER BY queue LIMIT 1)
+    UNION ALL
+    SELECT (SELECT j.queue FROM {schema}.pgjobs_job AS j
+             WHERE j.state = 'ready' AND NOT j.delayed AND j.queue > d.queue
+             ORDER BY j.queue LIMIT 1)
+      FROM due_q AS d WHERE d.queue IS NOT NULL
+), delayed_q(queue) AS (
+    (SELECT queue FROM {schema}.pgjobs_job WHERE state = 'ready' AND delayed
+      ORDER BY queue LIMIT 1)
+    UNION ALL
+    SELECT (SELECT j.queue FROM {schema}.pgjobs_job AS j
+             WHERE j.state = 'ready' AND j.delayed AND j.queue > d.queue
+             ORDER BY j.queue LIMIT 1)
+      FROM delayed_q AS d WHERE d.queue IS NOT NULL
+), dead_q(queue) AS (
+    (SELECT queue FROM {schema}.pgjobs_dead_letter ORDER BY queue LIMIT 1)
+    UNION ALL
+    SELECT (SELECT x.queue FROM {schema}.pgjobs_dead_letter AS x WHERE x.queue > d.queue
+             ORDER BY x.queue LIMIT 1)
+      FROM dead_q AS d WHERE d.queue IS NOT NULL
+), held AS (
+    -- running and waiting rows have no index led by queue: one pass over each state's partial
+    -- index (a flood parked on one key must not be read once per queue), at most 10 x
+    -- %(bound)s running rows (leases: as many as the workers' slots) and %(bound)s + 1 waiting
+    -- ones in all; past that the counts are lower bounds (running_more, waiting_more)
+    SELECT queue, state, count(*) AS n, sum(count(*)) OVER (PARTITION BY state) AS seen
+      FROM ((SELECT queue, state FROM {schema}.pgjobs_job WHERE state = 'running'
+              ORDER BY lease_expires_at  -- pgjobs_job_lease_idx's order: never the table
+              LIMIT %(bound)s::int * 10)
+            UNION ALL
+            (SELECT queue, state FROM {schema}.pgjobs_job WHERE state = 'waiting'
+              ORDER BY waiting_on, priority DESC, run_at, id  -- pgjobs_job_waiting_idx's
+              LIMIT %(bound)s::int + 1)) AS h
+     GROUP BY queue, state
+), names AS (
+    SELECT name FROM {schema}.pgjobs_queue
+    UNION SELECT queue FROM due_q WHERE queue IS NOT NULL
+    UNION SELECT queue FROM delayed_q WHERE queue IS NOT NULL
+    UNION SELECT queue FROM dead_q WHERE queue IS NOT NULL
+    UNION SELECT queue FROM held
+)
+SELECT n.name AS queue,
+       least(%(bound)s::int + 1,
+             (SELECT count(*) FROM (SELECT 1 FROM {schema}.pgjobs_job AS j
+                                     WHERE j.queue = n.name AND j.state = 'ready'
+                                       AND NOT j.delayed AND j.run_at <= now()
+                                     -- the index's order: never a scan of the table
+                                     ORDER BY j.priority DESC, j.run_at, j.id
+                                     LIMIT %(bound)s::int + 1) AS r)
+             + (SELECT count(*) FROM (SELECT 1 FROM {schema}.pgjobs_job AS j
+                                       WHERE j.queue = n.name AND j.state = 'ready'
+                                         AND j.delayed AND j.run_at <= now()
+                                       ORDER BY j.run_at
+                                       LIMIT %(bound)s::int + 1) AS r)) AS ready,
+       (SELECT count(*) FROM (SELECT 1 FROM {schema}.pgjobs_job AS j
+                               WHERE j.queue = n.name AND j.state = 'ready' AND j.delayed
+                                 AND j.run_at > now()
+                               ORDER BY j.run_at
+                               LIMIT %(bound)s::int + 1) AS r) AS delayed,
+       least(%(bound)s::int + 1, coalesce((SELECT h.n FROM held AS h
+                                            WHERE h.queue = n.name AND h.state = 'running'), 0)
+             ) AS running,
+       least(%(bound)s::int + 1, coalesce((SELECT h.n FROM held AS h
+                                            WHERE h.queue = n.name AND h.state = 'waiting'), 0)
+             ) AS waiting,
+       coalesce((SELECT max(h.seen) FROM held AS h WHERE h.state = 'running'), 0)
+           >= %(bound)s::int * 10 AS running_more,
+       coalesce((SELECT max(h.seen) FROM held AS h WHERE h.state = 'waiting'), 0)
+           > %(bound)s::int AS waiting_more,
+       (SELECT count(*) FROM (SELECT 1 FROM {schema}.pgjobs_dead_letter AS x
+                               WHERE x.queue = n.name
+                               ORDER BY x.died_at
+                               LIMIT %(bound)s::int + 1) AS r) AS dead,
+       coalesce(q.paused, false) AS paused,
+       extract(epoch FROM now() - least(
+           (SELECT min(h.run_at)
+              FROM (WITH RECURSIVE levels(p) AS (
+                        (SELECT priority FROM {schema}.pgjobs_job
+                          WHERE queue = n.name AND state = 'ready' AND NOT delayed
+                          ORDER BY priority DESC LIMIT 1)
+                        UNION ALL
+                        SELECT (SELECT j.priority FROM {schema}.pgjobs_job AS j
+                                 WHERE j.queue = n.name AND j.state = 'ready' AND NOT j.delayed
+                                   AND j.priority < l.p
+                                 ORDER BY j.priority DESC LIMIT 1)
+                          FROM levels AS l WHERE l.p IS NOT NULL)
+                    SELECT (SELECT j.run_at FROM {schema}.pgjobs_job AS j
+                             WHERE j.queue = n.name AND j.state = 'ready' AND NOT j.delayed
+                               AND j.priority = l.p AND j.run_at <= now()
+                             ORDER BY j.priority DESC, j.run_at LIMIT 1) AS run_at
+                      FROM levels AS l WHERE l.p IS NOT NULL) AS h),
+           (SELECT min(j.run_at) FROM {schema}.pgjobs_job AS j
+             WHERE j.queue = n.name AND j.state = 'ready' AND j.delayed
+               AND j.run_at <= now())))::float8 AS oldest_ready_age
+  FROM names AS n
+  LEFT JOIN {schema}.pgjobs_queue AS q ON q.name = n.name
+ ORDER BY n.name;

@@ -1,0 +1,271 @@
+"""Dashboard page times with 1,000,000 rows in the job table.
+
+    python -m bench.dashboard [--rows 1000000] [--waiting 100000] [--dead 20000]
+                              [--requests 15] [--refill] [--json FILE] [--screenshots DIR]
+
+Fills schema ``bench_dashboard`` of database ``bench_dashboard`` (created when missing, through
+$BENCH_PG_ADMIN_DSN, default postgresql://postgres@127.0.0.1:5432/postgres) with --rows live
+messages over 10 queues (about 90 % due, 10 % delayed, 2,000 running under 17 workers;
+2,000 tenants; Celery-shaped JSON messages), --dead dead letters, 30 minutes of settle
+counters, and then (after a VACUUM, so that the visibility map is a busy table's, not all
+visible) --waiting messages parked on one full concurrency key in queue ``flood``. The fill is
+INSERT ... SELECT over generate_series (a benchmark fabricates its rows; about a minute on 2
+busy cores) and is kept between runs: it is redone only with --refill or when the row count
+differs. Then every page is requested --requests times in-process through Starlette's test
+client (the app, the pool, Admin's statements and the template, without a socket), after one
+warm-up request, and the median, p95 and max are printed per page, as a markdown table.
+
+``--screenshots DIR`` then serves the data set with ``pgjobs dashboard --write`` and saves the
+overview, a filtered message list and a dead letter as PNGs from headless Chromium (Debian's
+``chromium`` and ``chromium-driver``, through Selenium): the pictures in docs/dashboard.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+import psycopg
+from starlette.testclient import TestClient
+
+from kombu_pgjobs.dashboard import create_app
+from kombu_pgjobs.schema import migrate
+
+DB = "bench_dashboard"
+SCHEMA = "bench_dashboard"
+ADMIN_DSN = os.environ.get("BENCH_PG_ADMIN_DSN", "postgresql://postgres@127.0.0.1:5432/postgres")
+URL = f"pgjobs://postgres@127.0.0.1:5432/{DB}"
+DSN = f"postgresql://postgres@127.0.0.1:5432/{DB}"
+
+FILL = """
+INSERT INTO {s}.pgjobs_job (queue, state, priority, run_at, claim, attempts, lease_expires_at,
+                            worker, task, created_at, tenant, message)
+SELECT 'queue' || (g %% 10),
+       CASE WHEN g / 10 %% 500 = 0 THEN 'running' ELSE 'ready' END,
+       (g %% 3)::smallint,
+       CASE WHEN g / 10 %% 10 = 1 THEN now() + interval '1 hour'
+            ELSE now() - interval '1 minute' END,
+       CASE WHEN g / 10 %% 500 = 0 THEN 1 ELSE 0 END,
+       CASE WHEN g / 10 %% 500 = 0 THEN 1 ELSE 0 END,
+       CASE WHEN g / 10 %% 500 = 0 THEN now() + interval '1 hour' END,
+       CASE WHEN g / 10 %% 500 = 0 THEN 'worker-' || (g %% 17) || '@bench:1' END,
+       'app.task_' || (g %% 25),
+       now() - interval '1 hour' + g * interval '1 millisecond',
+       'tenant-' || (g %% 2000),
+       json_build_object(
+         'body', 'W1tdLCB7fSwge31d', 'content-type', 'application/json',
+         'content-encoding', 'utf-8',
+         'headers', json_build_object('task', 'app.task_' || (g %% 25),
+                                      'id', md5(g::text), 'argsrepr', '(' || g || ',)',
+                                      'kwargsrepr', '{{}}', 'retries', 0,
+                                      'x-pgjobs-tenant', 'tenant-' || (g %% 2000)),
+         'properties', json_build_object('body_encoding', 'base64', 'priority', 0,
+                                         'delivery_tag', md5(g::text)))
+  FROM generate_series(1, %(rows)s) AS g
+"""
+DEAD = """
+INSERT INTO {s}.pgjobs_dead_letter (id, queue, priority, task, claim, attempts, max_attempts,
+                                    reason, error, created_at, message)
+SELECT nextval(pg_get_serial_sequence('{s}.pgjobs_job', 'id')), 'queue' || (g %% 10), 0,
+       'app.task_' || (g %% 25), 3, 3, 3, 'failed',
+       jsonb_build_object('type', 'ValueError', 'message', 'bad input ' || g,
+                          'traceback', 'Traceback (most recent call last): ...'),
+       now() - interval '2 hours',
+       json_build_object('body', 'W1tdLCB7fSwge31d', 'content-type', 'application/json',
+                         'headers', json_build_object('task', 'app.task_' || (g %% 25),
+                                                      'id', md5(g::text),
+                                                      'x-pgjobs-tenant', 'tenant-' || (g %% 2000)),
+                         'properties', json_build_object('body_encoding', 'base64'))
+  FROM generate_series(1, %(dead)s) AS g
+"""
+FLOOD = """
+INSERT INTO {s}.pgjobs_job (queue, state, task, tenant, waiting_on, limit_key, created_at,
+                            message)
+SELECT 'flood', 'waiting', 'app.sync_account', 'tenant-1', 'key:app.sync_account:acct-1',
+       'key:app.sync_account:acct-1', now() - interval '10 minutes',
+       json_build_object('headers', json_build_object('task', 'app.sync_account',
+                                                      'id', md5('flood' || g)))
+  FROM generate_series(1, %(waiting)s) AS g
+"""
+COUNTERS = """
+INSERT INTO {s}.pgjobs_counter (queue, outcome, bucket, shard, n)
+SELECT 'queue' || q, o, date_trunc('minute', now()) - m * interval '1 minute', 'bench',
+       (100 + 50 * sin(m / 4.0 + q))::bigint * CASE o WHEN 'acked' THEN 10 ELSE 1 END
+  FROM generate_series(0, 9) AS q, generate_series(0, 29) AS m,
+       unnest(ARRAY['acked', 'dead']) AS o
+ON CONFLICT DO NOTHING
+"""
+
+
+def ensure_database() -> None:
+    with psycopg.connect(ADMIN_DSN, autocommit=True) as conn:
+        if not conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", [DB]).fetchone():
+            conn.execute(f'CREATE DATABASE "{DB}"')
+
+
+def fill(rows: int, dead: int, waiting: int, refill: bool) -> None:
+    s = f'"{SCHEMA}"'
+    with psycopg.connect(DSN, autocommit=True) as conn:
+        migrate(conn, SCHEMA)
+        have = conn.execute(f"SELECT count(*) FROM {s}.pgjobs_job").fetchone()[0]
+        if have == rows + waiting and not refill:
+            print(f"kept: {have} rows", file=sys.stderr)
+            return
+        started = time.monotonic()
+        conn.execute(f"TRUNCATE {s}.pgjobs_job, {s}.pgjobs_dead_letter, {s}.pgjobs_counter")
+        conn.execute(FILL.format(s=s), {"rows": rows})  # type: ignore[arg-type]
+        conn.execute(DEAD.format(s=s), {"dead": dead})  # type: ignore[arg-type]
+        conn.execute(COUNTERS.format(s=s))  # type: ignore[arg-type]
+        conn.execute(f"VACUUM ANALYZE {s}.pgjobs_job")
+        conn.execute(f"VACUUM ANALYZE {s}.pgjobs_dead_letter")
+        # then a flood parked on one key, written into the free space of pages all over the
+        # table, as a live queue's churn does: index-only reads visit the heap again
+        conn.execute(FLOOD.format(s=s), {"waiting": waiting})  # type: ignore[arg-type]
+        conn.execute(f"ANALYZE {s}.pgjobs_job")
+        print(f"filled {rows} + {waiting} rows, {dead} dead letters in "
+              f"{time.monotonic() - started:.1f} s", file=sys.stderr)
+
+
+def pages() -> list[tuple[str, str]]:
+    with psycopg.connect(DSN) as conn:
+        s = f'"{SCHEMA}"'
+        mid = conn.execute(f"SELECT id FROM {s}.pgjobs_job WHERE state = 'running' "
+                           "ORDER BY id OFFSET 1000 LIMIT 1").fetchone()[0]
+        dead = conn.execute(f"SELECT max(id) FROM {s}.pgjobs_dead_letter").fetchone()[0]
+        deep = conn.execute(f"SELECT id FROM {s}.pgjobs_job ORDER BY id OFFSET 900000 LIMIT 1"
+                            ).fetchone()
+    after = deep[0] if deep else mid
+    return [
+        ("overview", "/"),
+        ("messages (all live)", "/messages"),
+        ("messages, page far in (after=id 900,000th)", f"/messages?after={after}"),
+        ("messages ?queue=queue3&state=ready", "/messages?queue=queue3&state=ready"),
+        ("messages ?state=running", "/messages?state=running"),
+        ("messages ?state=delayed", "/messages?state=delayed"),
+        ("messages ?tenant=tenant-42", "/messages?tenant=tenant-42"),
+        ("messages ?task=app.task_7", "/messages?task=app.task_7"),
+        ("messages ?state=dead", "/messages?state=dead"),
+        ("messages ?state=waiting", "/messages?state=waiting"),
+        ("message page", f"/messages/{mid}"),
+        ("dead letters", "/dead"),
+        ("dead letters ?queue=queue3", "/dead?queue=queue3"),
+        ("dead letter page", f"/dead/{dead}"),
+        ("limits", "/limits"),
+        ("workers", "/workers"),
+        ("tenants (exact per-tenant counts: reads every row with a tenant)", "/tenants"),
+    ]
+
+
+def measure(requests: int) -> list[dict[str, Any]]:
+    app = create_app(URL, schema=SCHEMA, pool_size=2)
+    out = []
+    with TestClient(app) as client:
+        for name, path in pages():
+            client.get(path)  # warm-up: the pool's connection, the template's compile
+            times = []
+            for _ in range(requests):
+                t = time.perf_counter()
+                r = client.get(path)
+                times.append((time.perf_counter() - t) * 1000)
+                assert r.status_code == 200, (path, r.status_code, r.text[:300])
+            times.sort()
+            out.append({"page": name, "path": path, "median_ms": statistics.median(times),
+                        "p95_ms": times[min(len(times) - 1, int(len(times) * 0.95))],
+                        "max_ms": times[-1]})
+    return out
+
+
+def screenshots(directory: str) -> None:
+    import subprocess
+    import urllib.request
+    from pathlib import Path
+
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as ec
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    s = f'"{SCHEMA}"'
+    with psycopg.connect(DSN, autocommit=True) as conn:  # fresh minutes for the chart
+        conn.execute(f"DELETE FROM {s}.pgjobs_counter")
+        conn.execute(COUNTERS.format(s=s).replace("%%", "%"))  # type: ignore[arg-type]
+        conn.execute(f"INSERT INTO {s}.pgjobs_queue (name, paused) VALUES ('queue7', true) "
+                     "ON CONFLICT (name) DO UPDATE SET paused = true")
+        dead = conn.execute(f"SELECT max(id) FROM {s}.pgjobs_dead_letter").fetchone()[0]
+    token = "screenshot-token-0123456789"
+    server = subprocess.Popen(
+        [sys.executable, "-m", "kombu_pgjobs.cli", "dashboard", "--dsn", URL, "--schema",
+         SCHEMA, "--write", "--port", "8799"], env={**os.environ, "PGJOBS_DASHBOARD_TOKEN": token})
+    base = "http://127.0.0.1:8799"
+    options = webdriver.ChromeOptions()
+    options.binary_location = "/usr/bin/chromium"
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage",
+                "--window-size=1360,760", "--hide-scrollbars"):
+        options.add_argument(arg)
+    driver = None
+    try:
+        for _ in range(100):
+            try:
+                urllib.request.urlopen(base + "/", timeout=5).close()
+                break
+            except OSError:
+                time.sleep(0.3)
+        driver = webdriver.Chrome(service=Service("/usr/bin/chromedriver"), options=options)
+        driver.get(base + "/login")
+        driver.find_element(By.NAME, "token").send_keys(token)
+        driver.find_element(By.CSS_SELECTOR, "#login button").click()
+        WebDriverWait(driver, 10).until(
+            ec.presence_of_element_located((By.CSS_SELECTOR, ".badge.rw")))
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        for name, path in (("overview", "/"),
+                           ("messages", "/messages?queue=queue3&state=ready&tenant=tenant-3"),
+                           ("dead-letter", f"/dead/{dead}")):
+            driver.get(base + path)
+            driver.save_screenshot(str(out / f"dashboard-{name}.png"))
+    finally:
+        if driver is not None:
+            driver.quit()
+        server.terminate()
+        server.wait(10)
+        with psycopg.connect(DSN, autocommit=True) as conn:
+            conn.execute(f"UPDATE {s}.pgjobs_queue SET paused = false WHERE name = 'queue7'")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.dashboard", description=__doc__)
+    p.add_argument("--rows", type=int, default=1_000_000)
+    p.add_argument("--dead", type=int, default=20_000)
+    p.add_argument("--waiting", type=int, default=100_000,
+                   help="messages parked on one full key, in queue 'flood'")
+    p.add_argument("--requests", type=int, default=15)
+    p.add_argument("--json", metavar="FILE", help="also write the figures here")
+    p.add_argument("--screenshots", metavar="DIR", help="then save the docs' screenshots here")
+    p.add_argument("--refill", action="store_true")
+    args = p.parse_args(argv)
+    ensure_database()
+    fill(args.rows, args.dead, args.waiting, args.refill)
+    results = measure(args.requests)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"rows": args.rows, "waiting": args.waiting, "dead": args.dead,
+                       "pages": results}, fh, indent=2)
+    print(f"| page ({args.rows + args.waiting:,} rows in pgjobs_job ({args.waiting:,} waiting), "
+          f"{args.dead:,} dead letters) "
+          "| median ms | p95 ms | max ms |")
+    print("|---|---:|---:|---:|")
+    for r in results:
+        print(f"| {r['page']} | {r['median_ms']:.1f} | {r['p95_ms']:.1f} | {r['max_ms']:.1f} |")
+    if args.screenshots:
+        screenshots(args.screenshots)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

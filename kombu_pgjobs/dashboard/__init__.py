@@ -1,0 +1,21 @@
+"""The pgjobs operator dashboard: queues, messages, dead letters, limits and workers as web pages.
+
+An optional part (``pip install 'kombu-pgjobs[dashboard]'``): a Starlette app with Jinja2
+templates, served by ``pgjobs dashboard`` (uvicorn) or mounted under a prefix in an existing
+ASGI app. Every page reads through :class:`kombu_pgjobs.admin.Admin`, the same statements the
+CLI runs; the dashboard has no SQL of its own. It is read-only unless started with ``write=True``
+and a token. Importing this package imports no web framework: :func:`create_app` does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["create_app"]
+
+
+def create_app(dsn: str, **options: Any) -> Any:
+    """The dashboard as an ASGI app (see :func:`kombu_pgjobs.dashboard.app.create_app`)."""
+    from .app import create_app as make
+
+    return make(dsn, **options)

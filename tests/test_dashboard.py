@@ -1,0 +1,427 @@
+"""The web dashboard through Starlette's test client, against real Postgres.
+
+Messages are set up through the queue core exactly as the transport does (tests/test_cli.py's
+helpers); every page is read as HTML, every action's effect (or, when refused, its absence) is
+read back from the database. Proves: the pages show what Admin reads (counts, filters, keyset
+pages, lease holders, dead letters' errors, tenants); read-only mode answers 403 to every action;
+write mode refuses without the token, with a wrong one, and without a valid CSRF token; actions
+ask for confirmation first; hostile values are escaped; the app works mounted under a prefix.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import re
+import subprocess
+import sys
+import time
+import uuid
+from typing import Any
+
+import psycopg
+import pytest
+from starlette.applications import Starlette
+from starlette.routing import Mount
+from starlette.testclient import TestClient
+
+from kombu_pgjobs.cli import main as cli
+from kombu_pgjobs.core import QueueCore, job_from_message
+from kombu_pgjobs.dashboard import create_app
+from kombu_pgjobs.errors import DashboardTokenRequired
+from kombu_pgjobs.schema import migrate
+from tests.test_cli import claim, in_future, kill_dead, publish
+
+TOKEN = "correct-horse-battery-staple"
+#: every action route, with a form that would make it act (confirm=yes)
+ACTIONS = [
+    ("/queues/{q}/pause", {}), ("/queues/{q}/resume", {}), ("/queues/{q}/purge", {}),
+    ("/messages/{ready}/requeue", {}), ("/messages/{ready}/cancel", {}),
+    ("/dead/{dead}/requeue", {}), ("/dead/{dead}/purge", {}),
+    ("/dead/requeue", {"queue": "{q}"}), ("/dead/purge", {"queue": "{q}"}),
+]
+
+
+@pytest.fixture
+def core(db: psycopg.Connection[Any], schema: str) -> QueueCore:
+    migrate(db, schema)
+    return QueueCore(schema, lease_ttl=30, max_attempts=20, worker="dash-test:1")
+
+
+@pytest.fixture
+def client(url: str, schema: str) -> Any:
+    """client(write=False, token=None, prefix=None) -> a TestClient of a fresh app."""
+    made: list[TestClient] = []
+
+    def make(*, write: bool = False, token: str | None = None,
+             prefix: str | None = None) -> TestClient:
+        app: Any = create_app(url, schema=schema, write=write, token=token, pool_size=2)
+        if prefix:
+            app = Starlette(routes=[Mount(prefix, app=app)])
+        c = TestClient(app)
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        app = c.app
+        inner = app.routes[0].app if isinstance(app, Starlette) and not hasattr(
+            app.state, "dashboard") else app
+        inner.state.dashboard.close()
+
+
+def ids_in(html: str) -> list[int]:
+    return [int(i) for i in re.findall(r'<tr data-id="(\d+)"', html)]
+
+
+def snapshot(db: psycopg.Connection[Any], schema: str) -> tuple[Any, ...]:
+    """Everything an action could change, to show a refused one changed nothing."""
+    jobs = db.execute(f'SELECT id, state, run_at, cancelled_at FROM "{schema}".pgjobs_job '
+                      "ORDER BY id").fetchall()
+    dead = db.execute(f'SELECT id FROM "{schema}".pgjobs_dead_letter ORDER BY id').fetchall()
+    queues = db.execute(f'SELECT name, paused FROM "{schema}".pgjobs_queue ORDER BY name'
+                        ).fetchall()
+    return (jobs, dead, queues)
+
+
+def seeded(core: QueueCore, db: psycopg.Connection[Any]) -> dict[str, Any]:
+    dead = kill_dead(core, db, "alpha", error={"type": "ValueError", "message": "boom",
+                                               "traceback": "Traceback: line 1"})
+    ready = [publish(core, db, "alpha", tenant="acme" if i % 2 else "globex") for i in range(4)]
+    running = claim(core, db, "alpha", 1)[0][0]  # ready[0]
+    delayed = publish(core, db, "alpha", eta=in_future())
+    beta = [publish(core, db, "beta") for _ in range(2)]
+    return {"q": "alpha", "ready": ready[1], "ready_ids": ready[1:], "running": running,
+            "delayed": delayed, "dead": dead, "beta": beta, "acme": [ready[1], ready[3]]}
+
+
+def sign_in(c: TestClient, prefix: str = "") -> str:
+    """Sign in as a browser does; returns the CSRF token of the session's pages."""
+    page = c.get(f"{prefix}/login")
+    csrf = re.search(r'name="csrf" value="([^"]+)"', page.text).group(1)
+    r = c.post(f"{prefix}/login", data={"csrf": csrf, "token": TOKEN}, follow_redirects=False)
+    assert r.status_code == 303, r.text
+    return csrf
+
+
+def test_pages_show_what_admin_reads(core, db, client, schema):
+    s = seeded(core, db)
+    core.declare_queue(db, "idle")
+    db.execute(f'UPDATE "{schema}".pgjobs_queue SET paused = true WHERE name = %s', ["idle"])
+    c = client()
+
+    r = c.get("/")
+    assert r.status_code == 200
+    alpha = re.search(r"<tr class=\"\">\s*<td><a href=\"/messages\?queue=alpha\">.*?</tr>",
+                      r.text, re.S).group(0)
+    counts = dict(re.findall(r"state=(\w+)\">(\d+)<", alpha))
+    assert counts == {"ready": "3", "delayed": "1", "running": "1", "waiting": "0"}
+    assert re.search(r"queue=alpha\">1</a>", alpha)  # one dead letter
+    idle = re.search(r'<tr class="paused">.*?</tr>', r.text, re.S).group(0)
+    assert "idle" in idle and "badge paused" in idle
+    tenants = c.get("/tenants").text
+    assert re.search(r'tenant=acme">acme</a></td><td class="n">2</td>', tenants)  # ready
+    assert re.search(r'tenant=globex">globex</a></td><td class="n">1</td>', tenants)
+    assert "<svg class=\"chart\"" in r.text  # the settle chart (the dead letter settled)
+    assert "read-only" in r.text and 'method="post"' not in r.text
+
+    r = c.get("/messages", params={"queue": "alpha", "state": "ready"})
+    assert r.status_code == 200 and ids_in(r.text) == sorted(s["ready_ids"])
+    r = c.get("/messages", params={"tenant": "acme"})
+    assert sorted(ids_in(r.text)) == sorted(s["acme"])
+    r = c.get("/messages", params={"state": "dead"})
+    assert ids_in(r.text) == [s["dead"]]
+
+    r = c.get(f"/messages/{s['running']}")
+    assert r.status_code == 200 and "dash-test:1" in r.text and "lease expires" in r.text
+    assert 'id="state">running<' in r.text and '"retries": 0' in html.unescape(r.text)
+    r = c.get(f"/dead/{s['dead']}")
+    assert r.status_code == 200 and "rejected" in r.text and "Traceback: line 1" in r.text
+    assert "ValueError" in r.text
+    assert '"args": [\n    1,\n    2\n  ]' in html.unescape(r.text)  # body preview
+    r = c.get("/dead", params={"queue": "alpha"})
+    assert ids_in(r.text) == [s["dead"]] and "boom" in r.text
+
+    r = c.get("/workers")
+    assert r.status_code == 200 and "dash-test:1" in r.text
+    assert f'href="/messages/{s["running"]}"' in r.text
+    r = c.get("/limits")
+    assert r.status_code == 200 and "no key holds a slot" in r.text
+
+    # bad input: a stable code and the right status, as JSON for scripts
+    assert c.get("/messages", params={"state": "bogus"}).status_code == 400
+    r = c.get("/messages/999999999", headers={"accept": "application/json"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "PGJ-401"
+    r = c.get("/messages/abc", headers={"accept": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "PGJ-405"
+    r = c.get("/messages", params={"queue": "nope"})
+    assert r.status_code == 404 and "PGJ-403" in r.text
+
+
+def test_messages_keyset_pages(core, db, client):
+    ids = [publish(core, db, "gamma") for _ in range(57)]
+    c = client()
+    first = c.get("/messages", params={"queue": "gamma"}).text
+    assert ids_in(first) == ids[:50]
+    nxt = re.search(r'href="([^"]+)" rel="next"', first).group(1).replace("&amp;", "&")
+    assert f"after={ids[49]}" in nxt and "queue=gamma" in nxt
+    second = c.get(nxt).text
+    assert ids_in(second) == ids[50:] and 'rel="next"' not in second
+
+
+def test_hostile_values_are_escaped(core, db, client):
+    evil = "<script>alert('pwn')</script>"
+    headers = {"task": "t.<b>bold</b>", "id": str(uuid.uuid4()), "argsrepr": evil,
+               "kwargsrepr": "{}", "retries": 0, "x-pgjobs-tenant": "<i>t</i>"}
+    body = base64.b64encode(json.dumps([[evil], {}, {}]).encode()).decode()
+    message = {"body": body, "content-encoding": "utf-8", "content-type": "application/json",
+               "headers": headers,
+               "properties": {"body_encoding": "base64", "priority": 0,
+                              "delivery_info": {"exchange": "", "routing_key": "q<script>"},
+                              "delivery_tag": str(uuid.uuid4())}}
+    core.publish(db, job_from_message("q<script>", message))
+    job_id = int(db.execute(f'SELECT max(id) FROM "{core.schema}".pgjobs_job').fetchone()[0])
+    dead = kill_dead(core, db, "evil", error={"type": "X", "message": evil})
+    c = client()
+    for path in ("/", f"/messages/{job_id}", "/messages", "/dead", f"/dead/{dead}"):
+        r = c.get(path)
+        assert r.status_code == 200, path
+        assert "<script>alert" not in r.text and "<b>bold" not in r.text, path
+        assert "<i>t</i>" not in r.text, path
+    page = c.get(f"/messages/{job_id}").text
+    assert "&lt;script&gt;alert(&#39;pwn&#39;)&lt;/script&gt;" in page
+    assert "t.&lt;b&gt;bold&lt;/b&gt;" in page
+    assert "&lt;script&gt;" in c.get(f"/dead/{dead}").text
+    csp = c.get("/").headers["content-security-policy"]
+    assert "script-src 'self'" in csp and "frame-ancestors 'none'" in csp
+
+
+def test_read_only_refuses_every_action(core, db, client, schema):
+    s = seeded(core, db)
+    before = snapshot(db, schema)
+    c = client()  # the default: read-only
+    for path, form in ACTIONS:
+        target = path.format(**s)
+        data = {k: v.format(**s) for k, v in form.items()} | {"confirm": "yes"}
+        r = c.post(target, data=data, headers={"accept": "application/json"})
+        assert r.status_code == 403, target
+        assert r.json()["error"]["code"] == "PGJ-432", target
+        r = c.post(target, data=data, headers={"authorization": f"Bearer {TOKEN}"})
+        assert r.status_code == 403 and "PGJ-432" in r.text, target
+    assert c.post("/login", data={"token": TOKEN}).status_code == 403
+    assert snapshot(db, schema) == before
+
+
+def test_write_mode_refuses_without_the_right_token(core, db, client, schema, url):
+    with pytest.raises(DashboardTokenRequired):
+        create_app(url, schema=schema, write=True)
+    with pytest.raises(DashboardTokenRequired):
+        create_app(url, schema=schema, write=True, token="short")
+    s = seeded(core, db)
+    before = snapshot(db, schema)
+    c = client(write=True, token=TOKEN)
+    for path, form in ACTIONS:
+        target = path.format(**s)
+        data = {k: v.format(**s) for k, v in form.items()} | {"confirm": "yes"}
+        r = c.post(target, data=data, headers={"accept": "application/json"})
+        assert r.status_code == 403 and r.json()["error"]["code"] == "PGJ-433", target
+        r = c.post(target, data=data, headers={"authorization": "Bearer wrong-token-123456",
+                                               "accept": "application/json"})
+        assert r.status_code == 403 and r.json()["error"]["code"] == "PGJ-433", target
+    # signing in with a wrong token sets no session, and actions still refuse
+    page = c.get("/login")
+    csrf = re.search(r'name="csrf" value="([^"]+)"', page.text).group(1)
+    r = c.post("/login", data={"csrf": csrf, "token": TOKEN + "x"}, follow_redirects=False)
+    assert r.status_code == 403 and "pgjobs_session" not in r.headers.get("set-cookie", "")
+    r = c.post(f"/queues/{s['q']}/pause", data={"csrf": csrf, "confirm": "yes"})
+    assert r.status_code == 403 and "PGJ-433" in r.text
+    # a forged session cookie is refused too
+    c.cookies.set("pgjobs_session", "9999999999.deadbeef")
+    r = c.post(f"/queues/{s['q']}/pause", data={"csrf": csrf, "confirm": "yes"})
+    assert r.status_code == 403 and "PGJ-433" in r.text
+    assert snapshot(db, schema) == before
+
+
+def test_csrf_is_required_with_a_session(core, db, client, schema):
+    s = seeded(core, db)
+    before = snapshot(db, schema)
+    c = client(write=True, token=TOKEN)
+    csrf = sign_in(c)
+    other = client(write=True, token=TOKEN)  # another browser's valid token
+    other_csrf = re.search(r'name="csrf" value="([^"]+)"', other.get("/login").text).group(1)
+    for path, form in ACTIONS:
+        target = path.format(**s)
+        data = {k: v.format(**s) for k, v in form.items()} | {"confirm": "yes"}
+        for bad in ({}, {"csrf": ""}, {"csrf": csrf[:-2] + "00"}, {"csrf": other_csrf}):
+            r = c.post(target, data=data | bad, headers={"accept": "application/json"})
+            assert r.status_code == 403 and r.json()["error"]["code"] == "PGJ-434", target
+    # login and logout are forms too
+    r = other.post("/login", data={"token": TOKEN}, follow_redirects=False)
+    assert r.status_code == 403 and "PGJ-434" in r.text
+    assert snapshot(db, schema) == before
+    assert c.post("/logout", data={}, follow_redirects=False).status_code == 403
+
+
+def test_actions_confirm_then_act(core, db, client, schema):
+    s = seeded(core, db)
+    c = client(write=True, token=TOKEN)
+    csrf = sign_in(c)
+    assert 'action="/queues/alpha/pause"' in c.get("/").text  # buttons once signed in
+
+    def paused() -> bool:
+        row = db.execute(f'SELECT paused FROM "{schema}".pgjobs_queue WHERE name = %s',
+                         ["alpha"]).fetchone()
+        return bool(row and row[0])
+
+    r = c.post("/queues/alpha/pause", data={"csrf": csrf})
+    assert r.status_code == 200 and "Pause queue alpha" in r.text and not paused()
+    assert 'name="confirm" value="yes"' in r.text  # the confirmation page's own form
+    r = c.post("/queues/alpha/pause", data={"csrf": csrf, "confirm": "yes"})
+    assert r.status_code == 200 and paused()
+    c.post("/queues/alpha/resume", data={"csrf": csrf, "confirm": "yes"})
+    assert not paused()
+
+    r = c.post(f"/dead/{s['dead']}/requeue", data={"csrf": csrf, "confirm": "yes"})
+    assert r.status_code == 200
+    row = db.execute(f'SELECT state, attempts FROM "{schema}".pgjobs_job WHERE id = %s',
+                     [s["dead"]]).fetchone()
+    assert row == ("ready", 0)
+    assert db.execute(f'SELECT count(*) FROM "{schema}".pgjobs_dead_letter').fetchone()[0] == 0
+
+    r = c.post(f"/messages/{s['ready']}/cancel", data={"csrf": csrf, "confirm": "yes"})
+    assert r.status_code == 200
+    assert db.execute(f'SELECT count(*) FROM "{schema}".pgjobs_job WHERE id = %s',
+                      [s["ready"]]).fetchone()[0] == 0
+    r = c.post(f"/messages/{s['delayed']}/requeue", data={"csrf": csrf, "confirm": "yes"})
+    assert r.status_code == 200
+    assert db.execute(f'SELECT run_at <= now() FROM "{schema}".pgjobs_job WHERE id = %s',
+                      [s["delayed"]]).fetchone()[0] is True
+    r = c.post(f"/messages/{s['running']}/requeue", data={"csrf": csrf, "confirm": "yes"})
+    assert r.status_code == 409 and "PGJ-406" in r.text
+
+    # a script: bearer token, no CSRF, JSON out
+    r = c.post("/queues/beta/purge", data={"confirm": "yes", "limit": "1"},
+               headers={"authorization": f"Bearer {TOKEN}", "accept": "application/json"})
+    assert r.status_code == 200 and r.json()["purged"] == 1
+    assert db.execute(f'SELECT count(*) FROM "{schema}".pgjobs_job WHERE queue = %s',
+                      ["beta"]).fetchone()[0] == 1
+    # dead letters by filter
+    more = [kill_dead(core, db, "alpha") for _ in range(2)]
+    r = c.post("/dead/requeue", data={"csrf": csrf, "confirm": "yes", "queue": "alpha"},
+               headers={"accept": "application/json"})
+    assert sorted(x["id"] for x in r.json()["requeued"]) == more
+    dead_one = kill_dead(core, db, "alpha")
+    r = c.post(f"/dead/{dead_one}/purge", data={"csrf": csrf, "confirm": "yes"})
+    assert r.status_code == 200
+    assert db.execute(f'SELECT count(*) FROM "{schema}".pgjobs_dead_letter').fetchone()[0] == 0
+    # signing out ends the session
+    c.post("/logout", data={"csrf": csrf})
+    r = c.post("/queues/alpha/pause", data={"csrf": csrf, "confirm": "yes"})
+    assert r.status_code == 403 and not paused()
+
+
+def test_mounted_under_a_prefix(core, db, client, schema):
+    s = seeded(core, db)
+    c = client(write=True, token=TOKEN, prefix="/ops/pgjobs")
+    r = c.get("/ops/pgjobs/")
+    assert r.status_code == 200
+    assert 'href="/ops/pgjobs/messages?queue=alpha"' in r.text
+    assert 'href="/ops/pgjobs/static/dashboard.css"' in r.text
+    assert c.get("/ops/pgjobs/static/dashboard.css").status_code == 200
+    assert c.get(f"/ops/pgjobs/messages/{s['running']}").status_code == 200
+    csrf = sign_in(c, "/ops/pgjobs")
+    assert "Path=/ops/pgjobs" in c.get("/ops/pgjobs/login").headers.get(
+        "set-cookie", "Path=/ops/pgjobs")
+    r = c.post(f"/ops/pgjobs/dead/{s['dead']}/requeue", data={"csrf": csrf})
+    assert f'action="/ops/pgjobs/dead/{s["dead"]}/requeue"' in r.text  # confirm posts back
+    r = c.post(f"/ops/pgjobs/dead/{s['dead']}/requeue", data={"csrf": csrf, "confirm": "yes"})
+    assert r.status_code == 200 and 'href="/ops/pgjobs/dead"' in r.text
+    assert db.execute(f'SELECT state FROM "{schema}".pgjobs_job WHERE id = %s',
+                      [s["dead"]]).fetchone() == ("ready",)
+
+
+def test_cli_write_without_token_and_no_web_import(capsys, url, schema, monkeypatch):
+    monkeypatch.delenv("PGJOBS_DASHBOARD_TOKEN", raising=False)
+    code = cli(["dashboard", "--write", "--dsn", url, "--schema", schema, "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 2 and out["error"]["code"] == "PGJ-431"
+    code = cli(["dashboard", "--port", "70000", "--dsn", url, "--json"])
+    assert code == 2 and json.loads(capsys.readouterr().out)["error"]["code"] == "PGJ-405"
+    monkeypatch.setitem(sys.modules, "uvicorn", None)  # the extra not installed
+    code = cli(["dashboard", "--dsn", url, "--schema", schema, "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 2 and out["error"]["code"] == "PGJ-430"
+    assert "kombu-pgjobs[dashboard]" in out["error"]["message"]
+    monkeypatch.delitem(sys.modules, "uvicorn")
+    probe = ("import sys, kombu_pgjobs, kombu_pgjobs.cli, kombu_pgjobs.admin;"
+             "kombu_pgjobs.cli.build_parser();"
+             "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+             "('starlette', 'jinja2', 'uvicorn', 'psycopg_pool')))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_overview_counts_are_exact_up_to_the_bound(core, db, schema):
+    """The overview's statement (Admin.queues(bound=...)) agrees with the CLI's exact one up
+    to the bound, and says "more" (bound + 1) beyond it, for every state and queue."""
+    from kombu_pgjobs.admin import Admin
+
+    s = seeded(core, db)
+    for _ in range(3):
+        publish(core, db, "alpha", eta=in_future())
+        kill_dead(core, db, "beta")
+    core.declare_queue(db, "declared-only")
+    db.execute("SET jit = off")  # as the dashboard's connections do (see dashboard/app.py)
+    db.execute("SET enable_bitmapscan = off")
+    admin = Admin(db, schema)
+    exact = {q["queue"]: q for q in admin.queues()}
+    since = time.monotonic()
+    states = ("ready", "delayed", "running", "waiting", "dead")
+    for bound in (1, 2, 3, 100):
+        bounded = {q["queue"]: q for q in admin.queues(bound=bound)}
+        assert set(bounded) == set(exact) == {"alpha", "beta", "declared-only"}
+        for name, q in exact.items():
+            for state in states:
+                assert bounded[name][state] == min(q[state], bound + 1), (bound, name, state)
+            assert bounded[name]["paused"] == q["paused"]
+            assert bounded[name]["settled"] == q["settled"]
+            age = q["oldest_ready_age"]
+            assert (bounded[name]["oldest_ready_age"] is None) == (age is None)
+            if age is not None:
+                drift = time.monotonic() - since + 1  # ages grow as the test runs
+                assert age <= bounded[name]["oldest_ready_age"] <= age + drift
+    assert exact["alpha"]["ready"] == 3 and exact["alpha"]["delayed"] == 4
+    assert s["running"] and exact["alpha"]["running"] == 1
+    assert not any(q["running_more"] or q["waiting_more"] for q in admin.queues(bound=1))
+    # running rows are read once for every queue, at most 10 x bound of them: past that the
+    # counts are lower bounds, and say so
+    for _ in range(12):
+        publish(core, db, "gamma")
+    assert len(claim(core, db, "gamma", 12)) == 12  # 13 running in all
+    exact = {q["queue"]: q for q in admin.queues()}
+    bounded = {q["queue"]: q for q in admin.queues(bound=1)}
+    assert all(q["running_more"] for q in bounded.values())
+    assert sum(min(q["running"], 2) for q in exact.values()) >= \
+        sum(q["running"] for q in bounded.values()) >= 1
+    for name, q in bounded.items():
+        assert q["running"] <= min(exact[name]["running"], 2)
+    assert {q["queue"]: q["running_more"] for q in admin.queues(bound=2)} == \
+        dict.fromkeys(exact, False)  # 13 <= 20: exact again
+
+
+def test_pages_survive_terminated_connections(core, db, client, schema):
+    """A terminated backend (a failover, an admin's pg_terminate_backend) is an ordinary
+    event: the pool finds the dead connection and the next page is served on a new one."""
+    s = seeded(core, db)
+    c = client()
+    assert c.get("/").status_code == 200
+    name = f"pgjobs-dashboard:{schema}"
+    killed = db.execute("SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                        "WHERE application_name = %s", [name]).fetchone()[0]
+    assert killed >= 1
+    for path in ("/", f"/messages/{s['running']}", "/dead", "/workers"):
+        assert c.get(path).status_code == 200, path
+    assert db.execute("SELECT count(*) FROM pg_stat_activity WHERE application_name = %s",
+                      [name]).fetchone()[0] >= 1
