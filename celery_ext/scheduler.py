@@ -22,7 +22,8 @@ Settings
 ``pgjobs_scheduler_lease_ttl_seconds`` (15), ``pgjobs_scheduler_grace_seconds`` (60),
 ``pgjobs_scheduler_url`` (the database when the broker is not pgjobs),
 ``pgjobs_scheduler_schema`` (default: the broker's schema option, else ``pgjobs``),
-``pgjobs_scheduler_history_days`` (14: the leader deletes older fires once an hour).
+``pgjobs_scheduler_history_days`` (14: the leader deletes older fires once an hour),
+``pgjobs_scheduler_outbox`` (False; True: with another broker, stage fires in the outbox).
 
 Design
 ======
@@ -38,7 +39,10 @@ Design
    A deposed leader's fire matches no row; a crash before the commit leaves the occurrence to
    the next leader, after it leaves the watermark past it.
 3. With another broker the watermark commits first, then the message is published: a crash in
-   between loses that occurrence (at most once), never fires it twice.
+   between loses that occurrence (at most once), never fires it twice. With
+   ``pgjobs_scheduler_outbox = True`` the message is staged in the outbox of the scheduler's
+   schema in the fire's own transaction instead (exactly once), and ``pgjobs relay`` (or the
+   ``OutboxRelay`` worker bootstep) publishes it to the broker.
 """
 
 from __future__ import annotations
@@ -87,6 +91,8 @@ from kombu_pgjobs.scheduling import EntryDef, EntryRow, Lease, ScheduleStore, va
 from kombu_pgjobs.schema import current_version, latest_version, migrate
 from kombu_pgjobs.transport import Transport as PgJobsTransport
 
+from .outbox import transaction as outbox_transaction
+
 __all__ = ["LeaderScheduler"]
 
 log = logging.getLogger("celery_ext.scheduler")
@@ -116,14 +122,19 @@ class Settings:
     url: str | None
     schema: str | None
     history_days: int
+    outbox: bool = False
 
     @classmethod
     def from_conf(cls, conf: Any) -> Settings:
+        outbox = conf.get("pgjobs_scheduler_outbox", False)
+        if not isinstance(outbox, bool):
+            raise InvalidScheduleEntry(
+                f"pgjobs_scheduler_outbox must be True or False, got {outbox!r}")
         return cls(
             _setting(conf, "pgjobs_scheduler_lease_ttl_seconds", 15.0, 0.3, 3600.0),
             _setting(conf, "pgjobs_scheduler_grace_seconds", 60.0, 0.0, 86400.0),
             conf.get("pgjobs_scheduler_url"), conf.get("pgjobs_scheduler_schema"),
-            int(_setting(conf, "pgjobs_scheduler_history_days", 14, 1, 3650)))
+            int(_setting(conf, "pgjobs_scheduler_history_days", 14, 1, 3650)), outbox)
 
 
 # -- the app's beat_schedule ---------------------------------------------------------------
@@ -550,6 +561,12 @@ class LeaderScheduler(beat.Scheduler):
                     f"entry {row.name!r} published {len(jobs)} messages (a fanout exchange?): "
                     "a scheduled entry must route to one queue")
             done = self.store.fire(conn, job=jobs[0], core=self.db.core, **fields)
+        elif self.settings.outbox:  # staged in the fire's own transaction: exactly once
+            with conn.transaction():
+                done = self.store.fire(conn, **fields)
+                if done is not None:
+                    with outbox_transaction(conn, schema=self.db.schema, app=self.app):
+                        self._send(row, headers)
         else:
             done = self.store.fire(conn, **fields)
             if done is not None:

@@ -452,6 +452,56 @@ def test_other_broker_publishes_after_the_watermark(db, schema, dsn):
         s.close()
 
 
+def test_other_broker_through_the_outbox_stages_each_fire_in_its_own_transaction(
+        db, schema, dsn):
+    """``pgjobs_scheduler_outbox``: with another broker, each fire and its message are one
+    transaction — the message is staged in the scheduler schema's outbox (nothing published
+    directly), and the relay publishes it once. A refused (fenced) fire stages nothing."""
+    from kombu_pgjobs.relay import Relay
+
+    queue = f"q_{schema}"
+    app = Celery("sched_outbox", broker="memory://", set_as_current=False)
+    app.conf.update(beat_schedule={"e": {"task": "t", "schedule": 10.0,
+                                         "options": {"queue": queue,
+                                                     "pgjobs_catch_up": "all"}}},
+                    pgjobs_scheduler_url=dsn, pgjobs_scheduler_schema=schema,
+                    pgjobs_scheduler_lease_ttl_seconds=1.5, pgjobs_scheduler_outbox=True)
+    clock = Clock()
+    s = LeaderScheduler(app=app, clock=clock)
+    try:
+        wait_for(lambda: s.elector.current() and s.elector.current().leading, 10,
+                 what="leadership")
+        s.tick()
+        clock.now = s._entries["e"].row.anchor + timedelta(seconds=31)
+        s.tick()
+        fires = db.execute(f'SELECT count(*) FROM "{schema}".pgjobs_schedule_fire').fetchone()
+        staged = db.execute(f'SELECT count(*), count(*) FILTER (WHERE published_at IS NULL) '
+                            f'FROM "{schema}".pgjobs_outbox').fetchone()
+        assert fires == (3,) and staged == (3, 3), (fires, staged)
+        with app.connection_for_read() as conn:
+            assert conn.SimpleQueue(queue).qsize() == 0, "nothing published past the outbox"
+        # a deposed leader's fire: refused by the fence, and its message never staged
+        lease = s.elector.current()
+        db.execute(f'UPDATE "{schema}".pgjobs_leader SET term = term + 1')
+        entry = s._entries["e"]
+        assert not s._fire(lease, entry, clock.now + timedelta(seconds=10),
+                           clock.now + timedelta(seconds=10), 0)
+        assert db.execute(f'SELECT count(*) FROM "{schema}".pgjobs_outbox').fetchone() == (3,)
+    finally:
+        s.close()
+    relay = Relay(dsn, "memory://", schema=schema, batch=10)
+    try:
+        assert relay.run_once() == 3
+    finally:
+        relay.close()
+    with app.connection_for_read() as conn:
+        q = conn.SimpleQueue(queue)
+        got = [q.get(timeout=1) for _ in range(3)]
+        assert q.qsize() == 0
+        q.close()
+    assert len({m.headers["pgjobs_schedule_occurrence"] for m in got}) == 3
+
+
 # -- idle cost -------------------------------------------------------------------------------
 def test_idle_cost_is_one_statement_per_election_round(dsn, schema):
     """An idle leader (nothing due) sends one statement per election round (every third of the
