@@ -472,9 +472,10 @@ class Admin:
     # -- changing -----------------------------------------------------------------------
     def dead_requeue(self, ids: Sequence[Any] | None = None, *, queue: str | None = None,
                      reason: str | None = None, limit: int | None = None,
-                     tenant: str | None = None) -> dict[str, Any]:
+                     tenant: str | None = None, task: str | None = None) -> dict[str, Any]:
         """Dead letters back to ready: by id (all must be dead letters), or every one of a
-        queue and/or a tenant (tenant-scoped replay: its ``x-pgjobs-tenant`` header), at most
+        queue, a Celery task and/or a tenant (tenant-scoped replay: its ``x-pgjobs-tenant``
+        header), optionally of one ``reason``, at most
         ``limit`` per call (the result says how many remain). A dead letter whose idempotency
         key a live message holds stays dead (by id: reported as skipped)."""
         if ids:
@@ -488,21 +489,23 @@ class Admin:
                         f"{found[live[0]][1]}): `pgjobs requeue` handles live messages")
                 rows = self._dicts("admin_dead_requeue", {
                     "ids": wanted, "queue": None, "reason": None, "limit": len(wanted),
-                    "tenant": None, "job_table": self.job_table, "channel": self.channel})
+                    "tenant": None, "task": None, "job_table": self.job_table,
+                    "channel": self.channel})
             skipped = sorted(set(wanted) - {r["id"] for r in rows})
             return {"requeued": [{k: r[k] for k in ("id", "new_id", "queue")} for r in rows],
                     "skipped": skipped, "remaining": len(skipped)}
-        if queue is None and tenant is None:
-            raise BulkRefused("requeue --all needs --queue or --tenant: bulk requeues go one "
-                              "queue or one tenant at a time")
+        if queue is None and tenant is None and task is None:
+            raise BulkRefused("requeue --all needs --queue, --task or --tenant: bulk requeues "
+                              "go one queue, task or tenant at a time")
         if queue is not None:
             self.require_queue(queue)
         bound = _bulk_limit(limit)
         rows = self._dicts("admin_dead_requeue", {
             "ids": None, "queue": queue, "reason": reason, "limit": bound, "tenant": tenant,
-            "job_table": self.job_table, "channel": self.channel})
+            "task": task, "job_table": self.job_table, "channel": self.channel})
         remaining = self._one("admin_dead_count", {
-            "ids": None, "queue": queue, "reason": reason, "cutoff": None, "tenant": tenant})
+            "ids": None, "queue": queue, "reason": reason, "cutoff": None, "tenant": tenant,
+            "task": task})
         return {"requeued": [{k: r[k] for k in ("id", "new_id", "queue")} for r in rows],
                 "skipped": [], "remaining": int(remaining)}
 
@@ -524,7 +527,8 @@ class Admin:
             if dead:
                 revived = self._dicts("admin_dead_requeue", {
                     "ids": dead, "queue": None, "reason": None, "limit": len(dead),
-                    "tenant": None, "job_table": self.job_table, "channel": self.channel})
+                    "tenant": None, "task": None, "job_table": self.job_table,
+                    "channel": self.channel})
             due = self._dicts("admin_job_make_due", {"ids": delayed, "channel": self.channel}) \
                 if delayed else []
         return {
@@ -601,7 +605,7 @@ class Admin:
             self.require_queue(queue)
         cutoff = self.cutoff(parse_duration(older_than)) if older_than else None
         params = {"ids": wanted, "queue": queue, "reason": reason, "cutoff": cutoff,
-                  "tenant": None}
+                  "tenant": None, "task": None}
         matched = int(self._one("admin_dead_count", params))
         bound = _bulk_limit(limit if wanted is None else max(len(wanted), 1))
         deleted = 0

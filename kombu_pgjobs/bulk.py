@@ -1,4 +1,4 @@
-"""Bulk operator commands on live messages: ``pgjobs bulk promote`` and ``pgjobs bulk remove``.
+"""Bulk operator commands: ``pgjobs bulk promote``, ``pgjobs bulk requeue``, ``pgjobs bulk remove``.
 
 A selection is a queue, a Celery task name and/or a tenant (at least one: a bulk change never
 covers a whole schema by accident). Each call changes at most ``--limit`` rows, in batches of
@@ -7,10 +7,12 @@ what it did and what is left: ``{"affected": n, "remaining": m}``; run it again 
 
 * promote: delayed messages become due now, their Celery ``eta`` cleared (as ``pgjobs requeue``
   of one: the worker runs them at once);
+* requeue: dead letters of the selection back to ready, attempts reset (as ``pgjobs requeue`` of
+  one; a dead letter whose idempotency key a live message holds stays dead);
 * remove: messages no worker holds (``--state`` ready, delayed and/or waiting; default all three)
   are deleted, counted ``cancelled``. Running messages are never removed: cancel them by id.
 
-Dead letters have their own bulk commands (``pgjobs dead requeue --all``, ``dead purge``).
+``pgjobs dead requeue --all`` and ``dead purge`` select dead letters by reason and age too.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Any
 from .admin import Admin, _bulk_limit
 from .errors import BulkRefused, InvalidArgument
 
-__all__ = ["REMOVABLE", "bulk_promote", "bulk_remove"]
+__all__ = ["REMOVABLE", "bulk_promote", "bulk_remove", "bulk_requeue"]
 
 #: the states ``bulk remove`` takes (``ready`` is due now)
 REMOVABLE = ("ready", "delayed", "waiting")
@@ -63,6 +65,23 @@ def bulk_promote(admin: Admin, *, queue: str | None = None, task: str | None = N
     return {"affected": affected, "remaining": int(remaining[0]) if remaining else 0}
 
 
+def bulk_requeue(admin: Admin, *, queue: str | None = None, task: str | None = None,
+                 tenant: str | None = None, limit: int | None = None,
+                 batch: int = 1000) -> dict[str, int]:
+    params = _selection(admin, queue, task, tenant)
+    bound = _bulk_limit(limit)
+    if not 1 <= int(batch) <= 100_000:
+        raise BulkRefused(f"--batch must be between 1 and 100000, got {batch}")
+    affected, remaining = 0, 0
+    while affected < bound:
+        done = admin.dead_requeue(**params, limit=min(int(batch), bound - affected))
+        affected += len(done["requeued"])
+        remaining = int(done["remaining"])
+        if not done["requeued"]:
+            break
+    return {"affected": affected, "remaining": remaining}
+
+
 def bulk_remove(admin: Admin, *, queue: str | None = None, task: str | None = None,
                 tenant: str | None = None, states: Sequence[str] | None = None,
                 limit: int | None = None, batch: int = 1000) -> dict[str, int]:
@@ -88,6 +107,12 @@ def add_commands(sub: Any, common: Any, add: Any, admin: Any) -> None:
             return bulk_promote(a, queue=args.queue, task=args.task, tenant=args.tenant,
                                 limit=args.limit, batch=args.batch)
 
+    def cmd_requeue(args: Any) -> dict[str, int]:
+        """Put dead letters of a queue, task and/or tenant back to ready (bounded batches)."""
+        with admin(args) as a:
+            return bulk_requeue(a, queue=args.queue, task=args.task, tenant=args.tenant,
+                                limit=args.limit, batch=args.batch)
+
     def cmd_remove(args: Any) -> dict[str, int]:
         """Delete ready, delayed or waiting messages of a queue, task and/or tenant."""
         states = [s.strip() for v in args.state or () for s in v.split(",") if s.strip()]
@@ -100,9 +125,10 @@ def add_commands(sub: Any, common: Any, add: Any, admin: Any) -> None:
         return f"{r['affected']} messages{more}"
 
     bulk = sub.add_parser("bulk", parents=[common],
-                          help="bulk changes to live messages: promote, remove")
+                          help="bulk changes: promote, requeue, remove")
     bsub = bulk.add_subparsers(dest="bulk_command", required=True, metavar="COMMAND")
-    for name, func in (("promote", cmd_promote), ("remove", cmd_remove)):
+    for name, func in (("promote", cmd_promote), ("requeue", cmd_requeue),
+                       ("remove", cmd_remove)):
         p = add(bsub, name, func, render, common)
         p.add_argument("--queue")
         p.add_argument("--task", help="Celery task name")

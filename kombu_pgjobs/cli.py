@@ -360,10 +360,10 @@ def cmd_dead_requeue(args: argparse.Namespace) -> dict[str, Any]:
     """Put dead letters back to ready (attempts reset, same id if free) and wake consumers."""
     if args.all == bool(args.ids):
         raise ConfigurationError(
-            "give dead-letter ids, or --all with --queue QUEUE and/or --tenant T (not both)")
+            "give dead-letter ids, or --all with --queue, --task and/or --tenant (not both)")
     with _admin(args) as admin:
         return admin.dead_requeue(args.ids or None, queue=args.queue, reason=args.reason,
-                                  limit=args.limit, tenant=args.tenant)
+                                  limit=args.limit, tenant=args.tenant, task=args.task)
 
 
 def _render_requeued(result: dict[str, Any]) -> str:
@@ -658,8 +658,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = _add(dsub, "requeue", cmd_dead_requeue, _render_requeued, common)
     p.add_argument("ids", nargs="*", metavar="ID")
     p.add_argument("--all", action="store_true",
-                   help="every dead letter of --queue and/or --tenant")
+                   help="every dead letter of --queue, --task and/or --tenant")
     p.add_argument("--queue")
+    p.add_argument("--task", help="with --all: only dead letters of this Celery task")
     p.add_argument("--reason", help="with --all: only dead letters with this reason")
     p.add_argument("--tenant", help="with --all: only dead letters of this tenant "
                                     "(the x-pgjobs-tenant header)")

@@ -67,3 +67,25 @@ def test_bulk_remove_spares_running_and_other_queues(core, db, schema, url, caps
     assert code != 0 and out["error"]["code"] == "PGJ-405"
     code, out = _run(capsys, schema, url, "bulk", "remove")
     assert code != 0 and out["error"]["code"] == "PGJ-404", "no selection: refused"
+
+
+def test_bulk_requeue_brings_one_tasks_dead_letters_back_in_bounded_calls(core, db, schema,
+                                                                          url, capsys):
+    from .test_cli import kill_dead
+
+    ours = [kill_dead(core, db, "alpha") for _ in range(3)]
+    mail = publish(core, db, "alpha", task="t.mail")
+    pairs = [p for p in claim(core, db, "alpha", 10) if p[0] == mail]
+    assert core.bury(db, pairs, reason="rejected") == {mail}
+    code, out = _run(capsys, schema, url, "bulk", "requeue", "--task", "t.add",
+                     "--limit", "2", "--batch", "1")
+    assert code == 0 and out == {"affected": 2, "remaining": 1}
+    code, out = _run(capsys, schema, url, "bulk", "requeue", "--task", "t.add")
+    assert out == {"affected": 1, "remaining": 0}
+    live = {r[0]: r[1] for r in db.execute(
+        f'SELECT id, attempts FROM "{schema}".pgjobs_job WHERE state = \'ready\'')}
+    assert set(ours) <= set(live) and all(live[i] == 0 for i in ours)
+    dead = [r[0] for r in db.execute(f'SELECT id FROM "{schema}".pgjobs_dead_letter')]
+    assert dead == [mail], "another task's dead letter stays dead"
+    code, out = _run(capsys, schema, url, "dead", "requeue", "--all", "--task", "t.mail")
+    assert code == 0 and [r["id"] for r in out["requeued"]] == [mail]

@@ -191,7 +191,8 @@ SELECT d.id, 'dead', 'dead'
 
 -- name: admin_dead_requeue :many
 -- Move dead letters back to ready, at most %(limit)s, oldest id first: by id (%(ids)s) or by
--- queue (%(queue)s) and/or tenant (%(tenant)s), optionally %(reason)s. Attempts restart at 0;
+-- queue (%(queue)s), task (%(task)s) and/or tenant (%(tenant)s), optionally %(reason)s.
+-- Attempts restart at 0;
 -- the claim number (the fence) is kept, so no holder of an earlier claim can settle the
 -- revived row. The row keeps its id
 -- unless a live row already has it (then it gets a fresh one from the job id sequence,
@@ -208,6 +209,7 @@ WITH picked AS (
      WHERE (%(ids)s::bigint[] IS NULL OR d.id = ANY(%(ids)s::bigint[]))
        AND (%(queue)s::text IS NULL OR d.queue = %(queue)s)
        AND (%(reason)s::text IS NULL OR d.reason = %(reason)s)
+       AND (%(task)s::text IS NULL OR d.task = %(task)s)
        -- %(tenant)s: tenant-scoped replay. A message Postgres cannot parse (a \u0000 or lone
        -- surrogate escape: see admin_ls) is never matched by it: requeue that one by id.
        AND CASE WHEN %(tenant)s::text IS NULL THEN true
@@ -269,6 +271,7 @@ SELECT count(*)
  WHERE (%(ids)s::bigint[] IS NULL OR d.id = ANY(%(ids)s::bigint[]))
    AND (%(queue)s::text IS NULL OR d.queue = %(queue)s)
    AND (%(reason)s::text IS NULL OR d.reason = %(reason)s)
+   AND (%(task)s::text IS NULL OR d.task = %(task)s)
    AND (%(cutoff)s::timestamptz IS NULL OR d.died_at < %(cutoff)s)
    AND CASE WHEN %(tenant)s::text IS NULL THEN true
             WHEN strpos(d.message::text, '\u0000') + strpos(d.message::text, '\ud')
