@@ -386,6 +386,7 @@ class Admin:
         cursor = 0 if after in (None, "") else _ids([after])[0]
         rows = self._listing("admin_ls", {
             "states": wanted, "every_live": set(LIVE_STATES) <= set(wanted),
+            "one_state": wanted[0] if wanted in (["running"], ["waiting"]) else None,
             "any_live": bool(set(LIVE_STATES) & set(wanted)),
             "queue": queue, "task": task, "tenant": tenant,
             "created_after": self.time_arg(created_after),
@@ -456,6 +457,21 @@ class Admin:
         if not 1 <= int(top) <= MAX_PAGE:
             raise InvalidArgument(f"--tenants must be between 0 and {MAX_PAGE}, got {top}")
         return self._dicts("admin_tenant_stats", {"top": int(top)})
+
+    def tenants(self, *, after: str | None = None, limit: int = DEFAULT_PAGE,
+                bound: int = 1000) -> dict[str, Any]:
+        """A page of the tenants with live messages, in name order, with their live messages
+        by state counted up to ``bound`` (``more``: at least that many). Bounded on any table
+        size (see admin_tenants)."""
+        if not 1 <= int(limit) <= MAX_PAGE:
+            raise InvalidArgument(f"--limit must be between 1 and {MAX_PAGE}, got {limit}")
+        rows = self._dicts("admin_tenants", {"after": after or "", "limit": int(limit) + 1,
+                                             "bound": int(bound)})
+        more = len(rows) > int(limit)
+        rows = rows[:int(limit)]
+        for r in rows:
+            r["more"] = r["live"] > bound
+        return {"items": rows, "next": rows[-1]["tenant"] if more else None}
 
     def throughput(self, *, minutes: int = 30) -> dict[str, dict[str, list[int]]]:
         """Settles per minute over the last ``minutes``: {queue: {outcome: [n, ...]}}, oldest

@@ -425,3 +425,30 @@ def test_pages_survive_terminated_connections(core, db, client, schema):
         assert c.get(path).status_code == 200, path
     assert db.execute("SELECT count(*) FROM pg_stat_activity WHERE application_name = %s",
                       [name]).fetchone()[0] >= 1
+
+
+def test_tenant_page_is_bounded_paged_and_agrees_with_the_exact_counts(core, db, schema):
+    """Admin.tenants (the tenants page): tenants in name order, keyset pages, and counts equal
+    to the exact per-tenant statement (Admin.tenant_stats) up to the bound, "more" beyond."""
+    from kombu_pgjobs.admin import Admin
+
+    for tenant, n in (("acme", 4), ("globex", 2), ("initech", 1)):
+        for _ in range(n):
+            publish(core, db, "alpha", tenant=tenant)
+    publish(core, db, "alpha", tenant="globex", eta=in_future())
+    publish(core, db, "alpha")  # no tenant: not listed
+    claim(core, db, "alpha")  # acme's oldest
+    admin = Admin(db, schema)
+    exact = {r["tenant"]: r for r in admin.tenant_stats(10)}
+    page = admin.tenants(limit=2, bound=100)
+    assert [r["tenant"] for r in page["items"]] == ["acme", "globex"] and page["next"] == "globex"
+    rest = admin.tenants(after=page["next"], limit=2, bound=100)
+    assert [r["tenant"] for r in rest["items"]] == ["initech"] and rest["next"] is None
+    for r in page["items"] + rest["items"]:
+        for state in ("ready", "delayed", "running", "waiting"):
+            assert r[state] == exact[r["tenant"]][state], (r, state)
+        assert not r["more"]
+    capped = {r["tenant"]: r for r in admin.tenants(bound=2)["items"]}
+    assert capped["acme"]["more"] and capped["acme"]["live"] == 3
+    assert capped["globex"]["more"] and capped["globex"]["live"] == 3  # 2 ready + 1 delayed
+    assert capped["initech"] == {**capped["initech"], "live": 1, "more": False}

@@ -19,8 +19,6 @@ __all__ = ["chart", "routes"]
 
 #: minutes of settle counters the overview's chart shows
 CHART_MINUTES = 30
-#: tenants listed on the tenants page (those with the most live messages)
-TENANTS = 50
 #: rows per page of every listing
 PAGE = 50
 #: characters of a message body shown on its page
@@ -70,8 +68,10 @@ def routes(dash: Dashboard) -> list[BaseRoute]:
                            {**data, "minutes": CHART_MINUTES, "bound": dash.count_bound})
 
     async def tenants(request: Request) -> Response:
-        rows = await dash.run(lambda admin: admin.tenant_stats(TENANTS))
-        return dash.render(request, "tenants.html", {"tenants": rows, "top": TENANTS})
+        after = _arg(request, "after")
+        page = await dash.run(lambda admin: admin.tenants(after=after, limit=PAGE,
+                                                          bound=dash.count_bound))
+        return dash.render(request, "tenants.html", {"page": page, "bound": dash.count_bound})
 
     async def messages(request: Request) -> Response:
         filters = {k: _arg(request, k) for k in ("queue", "state", "task", "tenant")}

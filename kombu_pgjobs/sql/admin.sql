@@ -96,6 +96,9 @@ SELECT n.name AS queue,
     -- %(every_live)s: every live state wanted, no filter (a constant the planner folds away:
     -- its row estimate stays honest, so a tenant's page is an ordered index scan that stops
     -- at %(limit)s rows, not a read and sort of all the tenant's rows)
+    -- %(one_state)s: only running or only waiting rows wanted, said plainly, so the planner
+    -- reads them from their partial indexes (pgjobs_job_waiting_id_idx: in id order)
+    AND (%(one_state)s::text IS NULL OR j.state = %(one_state)s)
     AND (%(every_live)s::bool
          OR CASE WHEN j.state IN ('running', 'waiting') THEN j.state
                  WHEN j.run_at > now() THEN 'delayed'
@@ -435,6 +438,36 @@ SELECT tenant, ready, delayed, running, waiting, live, count(*) OVER () AS tenan
   FROM per
  ORDER BY live DESC, tenant
  LIMIT %(top)s;
+
+-- name: admin_tenants :many
+-- Tenants with live messages in name order, a page of %(limit)s after %(after)s, each with its
+-- live messages by state, counted up to %(bound)s + 1 (more: "at least"). Bounded whatever the
+-- table size: the tenants are found by skipping through pgjobs_job_tenant_id_idx (one index
+-- probe per tenant, never a scan of a tenant's rows), and each count reads at most %(bound)s + 1
+-- of its entries, in id order.
+WITH RECURSIVE names AS (
+    (SELECT j.tenant FROM {schema}.pgjobs_job AS j
+      WHERE j.tenant IS NOT NULL AND j.tenant > %(after)s
+      ORDER BY j.tenant LIMIT 1)
+    UNION ALL
+    SELECT (SELECT j.tenant FROM {schema}.pgjobs_job AS j
+             WHERE j.tenant IS NOT NULL AND j.tenant > n.tenant
+             ORDER BY j.tenant LIMIT 1)
+      FROM names AS n
+     WHERE n.tenant IS NOT NULL
+)
+SELECT t.tenant, c.ready, c.delayed, c.running, c.waiting, c.live
+  FROM (SELECT tenant FROM names WHERE tenant IS NOT NULL LIMIT %(limit)s) AS t
+ CROSS JOIN LATERAL (
+    SELECT count(*) FILTER (WHERE s.state = 'ready' AND s.run_at <= now()) AS ready,
+           count(*) FILTER (WHERE s.state = 'ready' AND s.run_at > now()) AS delayed,
+           count(*) FILTER (WHERE s.state = 'running') AS running,
+           count(*) FILTER (WHERE s.state = 'waiting') AS waiting,
+           count(*) AS live
+      FROM (SELECT j.state, j.run_at FROM {schema}.pgjobs_job AS j
+             WHERE j.tenant = t.tenant ORDER BY j.id LIMIT %(bound)s + 1) AS s
+ ) AS c
+ ORDER BY t.tenant;
 
 -- name: admin_cutoff :one
 -- now() minus %(seconds)s, on the database's clock (one clock for every age comparison).
