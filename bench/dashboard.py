@@ -157,7 +157,7 @@ def pages() -> list[tuple[str, str]]:
         ("dead letter page", f"/dead/{dead}"),
         ("limits", "/limits"),
         ("workers", "/workers"),
-        ("tenants (exact per-tenant counts: reads every row with a tenant)", "/tenants"),
+        ("tenants (by name, counts bounded)", "/tenants"),
     ]
 
 

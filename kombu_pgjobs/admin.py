@@ -435,11 +435,15 @@ class Admin:
                            "live messages too)")
         return self.show(ident, body=body)
 
-    def limits(self, *, prefix: str | None = None, limit: int = DEFAULT_PAGE) -> dict[str, Any]:
-        """Concurrency keys (held slots, cap, holders, parked messages) and rate windows."""
+    def limits(self, *, prefix: str | None = None, limit: int = DEFAULT_PAGE,
+               bound: int | None = None) -> dict[str, Any]:
+        """Concurrency keys (held slots, cap, holders, parked messages) and rate windows.
+        ``bound``: parked messages read per key (``waiting`` is then at most ``bound + 1``:
+        "at least"); None counts them all."""
         if not 1 <= int(limit) <= MAX_PAGE:
             raise InvalidArgument(f"--limit must be between 1 and {MAX_PAGE}, got {limit}")
-        params = {"prefix": prefix or None, "limit": int(limit)}
+        params = {"prefix": prefix or None, "limit": int(limit),
+                  "bound": None if bound is None else int(bound)}
         return {"keys": self._dicts("admin_limits", params),
                 "rates": self._dicts("admin_rates", params)}
 

@@ -452,3 +452,25 @@ def test_tenant_page_is_bounded_paged_and_agrees_with_the_exact_counts(core, db,
     assert capped["acme"]["more"] and capped["acme"]["live"] == 3
     assert capped["globex"]["more"] and capped["globex"]["live"] == 3  # 2 ready + 1 delayed
     assert capped["initech"] == {**capped["initech"], "live": 1, "more": False}
+
+
+def test_limits_bounded_count_agrees_with_the_exact_one_up_to_the_bound(core, db, schema):
+    """Admin.limits(bound=) (the dashboard's /limits): parked messages per key found by
+    skipping through the parking index and counted up to bound + 1; the same keys, order and
+    counts as the exact statement up to the bound."""
+    from kombu_pgjobs.admin import Admin
+
+    for key, n in (("key:a", 5), ("key:b", 2), ("key:c", 1)):
+        for _ in range(n):
+            job = publish(core, db, "alpha")
+            db.execute(f'UPDATE "{schema}".pgjobs_job SET state = \'waiting\', waiting_on = %s '
+                       "WHERE id = %s", (key, job))
+    admin = Admin(db, schema)
+    exact = admin.limits()["keys"]
+    assert [(k["key"], k["waiting"]) for k in exact] == [("key:a", 5), ("key:b", 2),
+                                                         ("key:c", 1)]
+    for bound in (1, 2, 10):
+        got = admin.limits(bound=bound)["keys"]
+        assert [k["key"] for k in got] == [k["key"] for k in exact]
+        assert [k["waiting"] for k in got] == [min(k["waiting"], bound + 1) for k in exact]
+        assert all(g["oldest_waiting_age"] is not None for g in got)

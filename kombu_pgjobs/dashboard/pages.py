@@ -115,8 +115,10 @@ def routes(dash: Dashboard) -> list[BaseRoute]:
 
     async def limits(request: Request) -> Response:
         key = _arg(request, "key")
-        data = await dash.run(lambda admin: admin.limits(prefix=key, limit=100))
-        return dash.render(request, "limits.html", {**data, "key": key})
+        data = await dash.run(lambda admin: admin.limits(prefix=key, limit=100,
+                                                          bound=dash.count_bound))
+        return dash.render(request, "limits.html",
+                           {**data, "key": key, "bound": dash.count_bound})
 
     async def workers(request: Request) -> Response:
         rows = await dash.run(lambda admin: admin.workers(leases=20))

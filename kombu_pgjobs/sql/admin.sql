@@ -538,8 +538,11 @@ SELECT id FROM dead;
 -- name: admin_limits :many
 -- Concurrency keys: slots held (by running messages with a live lease), the cap they were taken
 -- under, the ids holding them, and the messages parked on the key with the age of the oldest.
--- %(prefix)s NULL: every key. At most %(limit)s keys, busiest first.
-WITH held AS (
+-- %(prefix)s NULL: every key. At most %(limit)s keys, busiest first. %(bound)s (NULL: exact)
+-- bounds the parked messages read per key: the keys are found by skipping through the parking
+-- index (one probe per key), and each is counted up to %(bound)s + 1 in claim order, the oldest
+-- age taken among those (the dashboard, on a flood of one key).
+WITH RECURSIVE held AS (
     SELECT sl.limit_key,
            count(*) FILTER (WHERE h.state = 'running' AND h.lease_expires_at > now()) AS held,
            max(sl.cap) AS cap,
@@ -549,12 +552,27 @@ WITH held AS (
       LEFT JOIN {schema}.pgjobs_job AS h ON h.id = sl.job_id AND h.claim = sl.claim
      GROUP BY sl.limit_key
     HAVING count(*) FILTER (WHERE h.state = 'running' AND h.lease_expires_at > now()) > 0
+), parked_keys AS (
+    (SELECT j.waiting_on FROM {schema}.pgjobs_job AS j
+      WHERE j.state = 'waiting' ORDER BY j.waiting_on LIMIT 1)
+    UNION ALL
+    SELECT (SELECT j.waiting_on FROM {schema}.pgjobs_job AS j
+             WHERE j.state = 'waiting' AND j.waiting_on > k.waiting_on
+             ORDER BY j.waiting_on LIMIT 1)
+      FROM parked_keys AS k
+     WHERE k.waiting_on IS NOT NULL
 ), waiting AS (
-    SELECT waiting_on AS limit_key, count(*) AS waiting,
-           extract(epoch FROM now() - min(created_at))::float8 AS oldest_waiting_age
-      FROM {schema}.pgjobs_job
-     WHERE state = 'waiting'
-     GROUP BY waiting_on
+    SELECT k.waiting_on AS limit_key, c.waiting, c.oldest_waiting_age
+      FROM parked_keys AS k
+     CROSS JOIN LATERAL (
+        SELECT count(*) AS waiting,
+               extract(epoch FROM now() - min(p.created_at))::float8 AS oldest_waiting_age
+          FROM (SELECT j.created_at FROM {schema}.pgjobs_job AS j
+                 WHERE j.state = 'waiting' AND j.waiting_on = k.waiting_on
+                 ORDER BY j.priority DESC, j.run_at, j.id
+                 LIMIT %(bound)s::int + 1) AS p
+     ) AS c
+     WHERE k.waiting_on IS NOT NULL
 )
 SELECT limit_key AS key, coalesce(h.held, 0) AS held, h.cap,
        coalesce(h.holders, '{{}}') AS holders,
