@@ -59,7 +59,7 @@ from .scheduled import install_scheduled
 from .settled import on_settled, start_telling
 from .state import add_app, installed
 from .tenant import check_tenant_required, current_tenant, tenant_required
-from .worker_sync import enable_worker_sync
+from .worker_sync import enable_worker_sync, load_revokes
 
 __all__ = ["RULES", "OutboxRelay", "Task", "current_tenant", "install", "on_settled",
            "transaction"]
@@ -105,6 +105,7 @@ def install(app: Any) -> Any:
         on_task_rejected, weak=False, dispatch_uid="celery_ext.reject_reason")
     start_telling()
     enable_worker_sync()
+    signals.worker_init.connect(load_revokes, weak=False, dispatch_uid="celery_ext.revokes")
     install_scheduled()
     register_flower()
     add_app(app)

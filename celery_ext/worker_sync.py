@@ -5,16 +5,28 @@ transport's ``driver_type``), so a worker that restarts forgets the revokes its 
 about. Both need only a fanout exchange and remote control, which pgjobs has (bindings in
 Postgres): celery_ext adds pgjobs (``driver_type`` ``postgresql``) to the transports they accept.
 ``--without-mingle`` and ``--without-gossip`` still turn them off.
+
+Better than mingle: the revokes pgjobs keeps in Postgres (see :mod:`kombu_pgjobs.revoke`) are
+loaded by every starting worker (:func:`load_revokes`), so they survive a restart of the whole
+fleet, which mingle (asking the workers that are up) cannot.
 """
 
 from __future__ import annotations
 
+import logging
+from typing import Any
+
 from celery.worker.consumer.gossip import Gossip
 from celery.worker.consumer.mingle import Mingle
 
+from kombu_pgjobs.events import one_line
 from kombu_pgjobs.transport import Transport
 
-__all__ = ["enable_worker_sync"]
+from .state import installed
+
+__all__ = ["enable_worker_sync", "load_revokes"]
+
+log = logging.getLogger("celery_ext")
 
 
 def enable_worker_sync() -> None:
@@ -22,3 +34,32 @@ def enable_worker_sync() -> None:
     for step in (Mingle, Gossip):
         if Transport.driver_type not in step.compatible_transports:
             step.compatible_transports = {*step.compatible_transports, Transport.driver_type}
+
+
+def load_revokes(sender: Any = None, **_: Any) -> None:
+    """``worker_init``: put the revokes pgjobs kept in Postgres (``pgjobs_revoked``: every
+    ``celery control revoke`` broadcast of the last three hours) into the starting worker's
+    revoked set, so a revoked message still in the queue is discarded (and acked) by whichever
+    worker claims it, even after every worker restarted. Only for apps with celery_ext
+    installed whose broker is pgjobs; a database that cannot be read is logged, not fatal (the
+    worker then knows what mingle tells it)."""
+    app = getattr(sender, "app", None)
+    if app is None or not installed(app):
+        return
+    try:
+        with app.connection_for_read() as conn:
+            transport = conn.transport
+            if not isinstance(transport, Transport):
+                return
+            backend = transport.backend
+            rows = backend.publishing(lambda c: backend.core.revoked(c))
+    except Exception as exc:  # the worker starts anyway; Celery reconnects to the broker
+        log.warning("celery_ext: revokes kept in Postgres could not be read: %s",
+                    one_line(exc))
+        return
+    from celery.worker import state
+
+    for task_id, _left in rows:
+        state.revoked.add(task_id)
+    if rows:
+        log.info("celery_ext: %d revoked task ids loaded from Postgres", len(rows))

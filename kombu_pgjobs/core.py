@@ -69,6 +69,9 @@ IDEMPOTENCY_HEADER = "x-pgjobs-idempotency-key"
 #: ``pgjobs_tenant_max_queued``, carried by each message because the transport never reads
 #: Celery's configuration); a publish beyond it is refused with TenantQueueFull (PGJ-506).
 MAX_QUEUED_HEADER = "x-pgjobs-tenant-max-queued"
+#: How long a revoke broadcast's task ids are kept in Postgres for starting workers: Celery's
+#: own default for a worker's revoked set (``CELERY_WORKER_REVOKE_EXPIRES``, three hours).
+REVOKE_KEEP_SECONDS = 10_800.0
 #: SQLSTATE pgjobs_publish_guarded_v1 raises when a tenant's queue cap would be exceeded
 _QUEUE_FULL = "PJ506"
 
@@ -502,13 +505,20 @@ class QueueCore:
             "limits": job.limits, "message": job.message, "tenant": job.tenant,
         })
 
-    def revoke(self, conn: psycopg.Connection, task_ids: Sequence[str]) -> list[tuple[int, str]]:
+    def revoke(self, conn: psycopg.Connection, task_ids: Sequence[str], *,
+               keep: float | None = REVOKE_KEEP_SECONDS) -> list[tuple[int, str]]:
         """Delete the delayed rows of these Celery task ids (a revoke broadcast, see
-        :mod:`kombu_pgjobs.revoke`); returns ``[(id, queue)]``."""
+        :mod:`kombu_pgjobs.revoke`) and keep the ids ``keep`` seconds for starting workers
+        (None: not kept); returns ``[(id, queue)]``."""
         if not task_ids:
             return []
         return [(r[0], r[1]) for r in conn.execute(self.q["revoke_delete"], {
-            "task_ids": list(task_ids), "worker": self.worker}).fetchall()]
+            "task_ids": list(task_ids), "worker": self.worker, "keep": keep}).fetchall()]
+
+    def revoked(self, conn: psycopg.Connection, limit: int = 50_000) -> list[tuple[str, float]]:
+        """The revokes kept in Postgres, newest first: ``[(task_id, seconds left)]``."""
+        return [(r[0], float(r[1])) for r in conn.execute(self.q["revoke_list"],
+                                                          {"n": int(limit)}).fetchall()]
 
     # -- claim and settle ----------------------------------------------------------------
     def claim(self, conn: psycopg.Connection, queues: Sequence[str], n: int,

@@ -4,9 +4,12 @@
 the fanout exchange ``<namespace>.pidbox``; on Redis and RabbitMQ only the workers that are up
 hear it and keep the id in memory, so a revoked ETA task runs after a restart. pgjobs sees the
 broadcast when it is published (:meth:`kombu_pgjobs.transport.Channel._put_fanout`) and deletes
-the delayed rows of those task ids in Postgres for good (counted ``revoked``). Running messages
-are left to Celery (``terminate=True`` is the worker's business), and a message already due is
-claimed at once and discarded by the worker that holds the revoke.
+the delayed rows of those task ids in Postgres for good (counted ``revoked``), and keeps the ids
+in ``pgjobs_revoked`` for three hours (Celery's own time for a revoke). Running messages are
+left to Celery (``terminate=True`` is the worker's business); a message already due is claimed
+and discarded (acked: gone) by a worker that knows the revoke — the ones up at the broadcast, and
+with celery_ext every worker that starts later, which loads the kept ids
+(``celery_ext.worker_sync.load_revokes``).
 
 Reading the message needs no Celery: a remote-control body is a JSON (or pickle: not read)
 object ``{"method": "revoke", "arguments": {"task_id": ID or [IDs]}}``.

@@ -74,6 +74,26 @@ def test_revoked_countdown_task_is_deleted_and_never_runs_after_restart(
     assert "mingle: " in worker.output(), "worker sync (mingle) runs on pgjobs"
 
 
+def test_a_revoke_outlives_the_whole_fleet_for_a_due_task(
+        db, parity, recorder_tables, start_worker):
+    """A task already due is revoked while no worker runs (so no worker hears it, and mingle has
+    no one to ask): pgjobs keeps the revoke in Postgres, and the worker that starts later loads
+    it, discards the message and acks it: it never runs and its row is gone."""
+    schema = recorder_tables
+    doomed = parity.record.delay("doomed-due")
+    parity.record.delay("kept-due")
+    parity.app.control.revoke(doomed.id)
+    kept = db.execute(f'SELECT task_id FROM "{schema}".pgjobs_revoked').fetchall()
+    assert kept == [(doomed.id,)]
+    assert _rows(db, schema, doomed.id) == 1, "due (not delayed): left for the worker to discard"
+    worker = start_worker(name="fresh", app=APP, concurrency=2)  # --without-mingle
+    wait_for(lambda: _ran(db, schema, "kept-due") == 1, 30, what="the other task")
+    wait_for(lambda: _rows(db, schema, doomed.id) == 0, 30, what="the revoked row to go")
+    assert _ran(db, schema, "doomed-due") == 0
+    assert f"Discarding revoked task: parity.record[{doomed.id}]" in worker.output(), \
+        worker.output()[-2000:]
+
+
 def test_cancel_by_task_id(db, parity, recorder_tables, url, capsys):
     schema = recorder_tables
     waiting = parity.record.apply_async(("waiting",), countdown=600)

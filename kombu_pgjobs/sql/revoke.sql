@@ -1,7 +1,8 @@
 -- name: revoke_delete :many
 -- Celery's revoke broadcast (and `pgjobs cancel --task-id`): delete the delayed rows of these
 -- Celery task ids (the `id` header), through pgjobs_job_task_id_idx (version 11), counted
--- 'revoked'. Returns (id, queue).
+-- 'revoked'; with %(keep)s, the ids are kept in pgjobs_revoked that long (version 16).
+-- Returns (id, queue).
 WITH gone AS (
     DELETE FROM {schema}.pgjobs_job AS j
      WHERE (j.message -> 'headers' ->> 'id') = ANY(%(task_ids)s::text[])
@@ -12,8 +13,26 @@ WITH gone AS (
     SELECT queue, 'revoked', date_trunc('minute', now()), %(worker)s, count(*)
       FROM gone GROUP BY queue
     ON CONFLICT (queue, outcome, bucket, shard) DO UPDATE SET n = c.n + excluded.n
+), kept AS (
+    -- %(keep)s seconds (NULL: not kept: `pgjobs cancel --task-id`), for starting workers
+    INSERT INTO {schema}.pgjobs_revoked AS r (task_id, expires_at)
+    SELECT t, now() + make_interval(secs => %(keep)s::float8)
+      FROM unnest(%(task_ids)s::text[]) AS t
+     WHERE %(keep)s::float8 IS NOT NULL
+    ON CONFLICT (task_id) DO UPDATE SET revoked_at = now(), expires_at = excluded.expires_at
+), forgotten AS (
+    DELETE FROM {schema}.pgjobs_revoked WHERE expires_at < now()
 )
 SELECT id, queue FROM gone;
+
+-- name: revoke_list :many
+-- The revokes a starting worker loads (celery_ext): unexpired, newest first, at most %(n)s,
+-- with the seconds each has left.
+SELECT task_id, extract(epoch FROM expires_at - now())::float8 AS left_seconds
+  FROM {schema}.pgjobs_revoked
+ WHERE expires_at > now()
+ ORDER BY revoked_at DESC
+ LIMIT %(n)s;
 
 -- name: revoke_find :many
 -- `pgjobs cancel --task-id`: the live rows of these Celery task ids. Delayed rows through
