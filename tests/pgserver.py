@@ -19,7 +19,7 @@ from pathlib import Path
 
 import psycopg
 
-__all__ = ["PrivateServer", "find_bindir"]
+__all__ = ["PrivateServer", "find_bindir", "require_bindir"]
 
 
 def find_bindir() -> Path | None:
@@ -35,6 +35,19 @@ def find_bindir() -> Path | None:
             return versions[-1] / "bin"
     found = shutil.which("pg_ctl")
     return Path(found).parent if found else None
+
+
+def require_bindir() -> Path:
+    """The server binaries for a private server: a test that needs them FAILS under CI=true when
+    they are missing and skips elsewhere."""
+    import pytest
+
+    bindir = find_bindir()
+    if bindir is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("PostgreSQL server binaries (pg_ctl, initdb) are required under CI")
+        pytest.skip("no PostgreSQL server binaries to run a private server")
+    return bindir
 
 
 def _free_port() -> int:

@@ -9,7 +9,6 @@ their next reconnect lands there, with no restart.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -21,18 +20,14 @@ import pytest
 from kombu_pgjobs.cli import main as cli
 from kombu_pgjobs.errors import DatabaseUnavailable
 from tests.conftest import wait_for
-from tests.pgserver import PrivateServer, _free_port, find_bindir
+from tests.pgserver import PrivateServer, _free_port, require_bindir
 
 pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture
 def pair() -> Iterator[tuple[PrivateServer, PrivateServer]]:
-    bindir = find_bindir()
-    if bindir is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail("PostgreSQL server binaries (pg_ctl, initdb) are required under CI")
-        pytest.skip("no PostgreSQL server binaries to run private servers")
+    bindir = require_bindir()
     primary = PrivateServer(bindir)
     standby = None
     try:

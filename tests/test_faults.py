@@ -8,7 +8,6 @@ start exactly once.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -18,19 +17,14 @@ import pytest
 from kombu import Connection
 
 from tests.conftest import wait_for
-from tests.pgserver import PrivateServer, find_bindir
+from tests.pgserver import PrivateServer, require_bindir
 
 pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture
 def server() -> Iterator[PrivateServer]:
-    bindir = find_bindir()
-    if bindir is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail("PostgreSQL server binaries (pg_ctl, initdb) are required under CI")
-        pytest.skip("no PostgreSQL server binaries to run a private server")
-    s = PrivateServer(bindir)
+    s = PrivateServer(require_bindir())
     try:
         yield s
     finally:

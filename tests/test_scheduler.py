@@ -418,17 +418,16 @@ def test_schedule_commands_on_unknown_entries(db, schema, dsn, capsys):
 
 
 # -- another broker --------------------------------------------------------------------------
-def test_other_broker_publishes_after_the_watermark(db, schema, dsn):
-    """With another broker (kombu's in-process memory transport here) the fire is recorded
-    (watermark, history) in Postgres, then published to that broker: one message per
-    occurrence, with its headers."""
-    queue = f"q_{schema}"
+def _leading_on_memory_broker(schema: str, dsn: str, queue: str,
+                              **conf: Any) -> tuple[Celery, Clock, LeaderScheduler]:
+    """A scheduler on kombu's in-process memory broker (another broker than pgjobs), leading,
+    its 10-second entry three occurrences behind (catch-up ``all``) after two ticks."""
     app = Celery("sched_memory", broker="memory://", set_as_current=False)
     app.conf.update(beat_schedule={"e": {"task": "t", "schedule": 10.0,
                                          "options": {"queue": queue,
                                                      "pgjobs_catch_up": "all"}}},
                     pgjobs_scheduler_url=dsn, pgjobs_scheduler_schema=schema,
-                    pgjobs_scheduler_lease_ttl_seconds=1.5)
+                    pgjobs_scheduler_lease_ttl_seconds=1.5, **conf)
     clock = Clock()
     s = LeaderScheduler(app=app, clock=clock)
     try:
@@ -437,6 +436,19 @@ def test_other_broker_publishes_after_the_watermark(db, schema, dsn):
         s.tick()
         clock.now = s._entries["e"].row.anchor + timedelta(seconds=31)
         s.tick()
+    except BaseException:
+        s.close()
+        raise
+    return app, clock, s
+
+
+def test_other_broker_publishes_after_the_watermark(db, schema, dsn):
+    """With another broker (kombu's in-process memory transport here) the fire is recorded
+    (watermark, history) in Postgres, then published to that broker: one message per
+    occurrence, with its headers."""
+    queue = f"q_{schema}"
+    app, _clock, s = _leading_on_memory_broker(schema, dsn, queue)
+    try:
         s.tick()
         rows = db.execute(f'SELECT count(*), count(job_id) FROM "{schema}".'
                           "pgjobs_schedule_fire").fetchone()
@@ -460,20 +472,8 @@ def test_other_broker_through_the_outbox_stages_each_fire_in_its_own_transaction
     from kombu_pgjobs.relay import Relay
 
     queue = f"q_{schema}"
-    app = Celery("sched_outbox", broker="memory://", set_as_current=False)
-    app.conf.update(beat_schedule={"e": {"task": "t", "schedule": 10.0,
-                                         "options": {"queue": queue,
-                                                     "pgjobs_catch_up": "all"}}},
-                    pgjobs_scheduler_url=dsn, pgjobs_scheduler_schema=schema,
-                    pgjobs_scheduler_lease_ttl_seconds=1.5, pgjobs_scheduler_outbox=True)
-    clock = Clock()
-    s = LeaderScheduler(app=app, clock=clock)
+    app, clock, s = _leading_on_memory_broker(schema, dsn, queue, pgjobs_scheduler_outbox=True)
     try:
-        wait_for(lambda: s.elector.current() and s.elector.current().leading, 10,
-                 what="leadership")
-        s.tick()
-        clock.now = s._entries["e"].row.anchor + timedelta(seconds=31)
-        s.tick()
         fires = db.execute(f'SELECT count(*) FROM "{schema}".pgjobs_schedule_fire').fetchone()
         staged = db.execute(f'SELECT count(*), count(*) FILTER (WHERE published_at IS NULL) '
                             f'FROM "{schema}".pgjobs_outbox').fetchone()
