@@ -30,7 +30,10 @@ from kombu_pgjobs.cli import main as cli
 from kombu_pgjobs.core import QueueCore, job_from_message
 from kombu_pgjobs.dashboard import create_app
 from kombu_pgjobs.errors import DashboardTokenRequired
+from kombu_pgjobs.schedule_cli import _next_due
+from kombu_pgjobs.scheduling import EntryDef, ScheduleStore
 from kombu_pgjobs.schema import migrate
+from kombu_pgjobs.webhooks import WebhookStore
 from tests.test_cli import claim, in_future, kill_dead, publish
 
 TOKEN = "correct-horse-battery-staple"
@@ -40,7 +43,11 @@ ACTIONS = [
     ("/messages/{ready}/requeue", {}), ("/messages/{ready}/cancel", {}),
     ("/dead/{dead}/requeue", {}), ("/dead/{dead}/purge", {}),
     ("/dead/requeue", {"queue": "{q}"}), ("/dead/purge", {"queue": "{q}"}),
+    ("/schedules/{entry}/pause", {}), ("/schedules/{paused_entry}/resume", {}),
+    ("/webhooks/{hook}/disable", {}), ("/webhooks/{off_hook}/enable", {}),
 ]
+#: an endpoint's signing secret: no page may ever show it
+SECRET = "s3cret-never-shown-0123456789"
 
 
 @pytest.fixture
@@ -82,7 +89,11 @@ def snapshot(db: psycopg.Connection[Any], schema: str) -> tuple[Any, ...]:
     dead = db.execute(f'SELECT id FROM "{schema}".pgjobs_dead_letter ORDER BY id').fetchall()
     queues = db.execute(f'SELECT name, paused FROM "{schema}".pgjobs_queue ORDER BY name'
                         ).fetchall()
-    return (jobs, dead, queues)
+    entries = db.execute(f'SELECT name, paused, updated_at FROM "{schema}".pgjobs_schedule '
+                         "ORDER BY name").fetchall()
+    hooks = db.execute(f'SELECT id, enabled, consecutive_failures, disabled_at FROM "{schema}"'
+                       ".pgjobs_webhook_endpoint ORDER BY id").fetchall()
+    return (jobs, dead, queues, entries, hooks)
 
 
 def seeded(core: QueueCore, db: psycopg.Connection[Any]) -> dict[str, Any]:
@@ -92,8 +103,18 @@ def seeded(core: QueueCore, db: psycopg.Connection[Any]) -> dict[str, Any]:
     running = claim(core, db, "alpha", 1)[0][0]  # ready[0]
     delayed = publish(core, db, "alpha", eta=in_future())
     beta = [publish(core, db, "beta") for _ in range(2)]
+    store = ScheduleStore(core.schema)
+    store.add(db, EntryDef("nightly/report", "app.report", "every 1h", "UTC", [], {}, {}))
+    store.add(db, EntryDef("held", "app.held", "0 3 * * *", "Europe/Paris", [], {}, {}),
+              paused=True)
+    hooks = WebhookStore(db, core.schema)
+    hook = hooks.add("https://example.com/hook", SECRET, description="orders")
+    off_hook = hooks.add("https://example.com/off", SECRET)
+    hooks.set_enabled(off_hook, False)
     return {"q": "alpha", "ready": ready[1], "ready_ids": ready[1:], "running": running,
-            "delayed": delayed, "dead": dead, "beta": beta, "acme": [ready[1], ready[3]]}
+            "delayed": delayed, "dead": dead, "beta": beta, "acme": [ready[1], ready[3]],
+            "entry": "nightly/report", "paused_entry": "held", "hook": hook,
+            "off_hook": off_hook}
 
 
 def sign_in(c: TestClient, prefix: str = "") -> str:
