@@ -21,16 +21,9 @@ from ..webhooks import WebhookStore
 from ..webhooks_cli import WEBHOOK_SCHEMA_VERSION
 from .actions import action
 from .app import Dashboard
+from .pages import PAGE, _arg
 
 __all__ = ["routes"]
-
-#: endpoints, or attempts, per page
-PAGE = 50
-
-
-def _arg(request: Request, name: str) -> str | None:
-    value = request.query_params.get(name, "").strip()
-    return value or None
 
 
 def routes(dash: Dashboard) -> list[BaseRoute]:
