@@ -5,7 +5,9 @@ helpers); every page is read as HTML, every action's effect (or, when refused, i
 read back from the database. Proves: the pages show what Admin reads (counts, filters, keyset
 pages, lease holders, dead letters' errors, tenants); read-only mode answers 403 to every action;
 write mode refuses without the token, with a wrong one, and without a valid CSRF token; actions
-ask for confirmation first; hostile values are escaped; the app works mounted under a prefix.
+ask for confirmation first; hostile values are escaped; the app works mounted under a prefix;
+the schedule and webhook pages show what ScheduleStore and WebhookStore read, never an
+endpoint's secret, and on a schema older than their tables refuse alone (the rest still works).
 """
 
 from __future__ import annotations
@@ -18,10 +20,13 @@ import subprocess
 import sys
 import time
 import uuid
+from datetime import timedelta
 from typing import Any
+from urllib.parse import quote
 
 import psycopg
 import pytest
+from markupsafe import escape
 from starlette.applications import Starlette
 from starlette.routing import Mount
 from starlette.testclient import TestClient
@@ -30,7 +35,10 @@ from kombu_pgjobs.cli import main as cli
 from kombu_pgjobs.core import QueueCore, job_from_message
 from kombu_pgjobs.dashboard import create_app
 from kombu_pgjobs.errors import DashboardTokenRequired
+from kombu_pgjobs.schedule_cli import _next_due
+from kombu_pgjobs.scheduling import EntryDef, ScheduleStore
 from kombu_pgjobs.schema import migrate
+from kombu_pgjobs.webhooks import WebhookStore
 from tests.test_cli import claim, in_future, kill_dead, publish
 
 TOKEN = "correct-horse-battery-staple"
@@ -40,7 +48,11 @@ ACTIONS = [
     ("/messages/{ready}/requeue", {}), ("/messages/{ready}/cancel", {}),
     ("/dead/{dead}/requeue", {}), ("/dead/{dead}/purge", {}),
     ("/dead/requeue", {"queue": "{q}"}), ("/dead/purge", {"queue": "{q}"}),
+    ("/schedules/{entry}/pause", {}), ("/schedules/{paused_entry}/resume", {}),
+    ("/webhooks/{hook}/disable", {}), ("/webhooks/{off_hook}/enable", {}),
 ]
+#: an endpoint's signing secret: no page may ever show it
+SECRET = "s3cret-never-shown-0123456789"
 
 
 @pytest.fixture
@@ -82,7 +94,11 @@ def snapshot(db: psycopg.Connection[Any], schema: str) -> tuple[Any, ...]:
     dead = db.execute(f'SELECT id FROM "{schema}".pgjobs_dead_letter ORDER BY id').fetchall()
     queues = db.execute(f'SELECT name, paused FROM "{schema}".pgjobs_queue ORDER BY name'
                         ).fetchall()
-    return (jobs, dead, queues)
+    entries = db.execute(f'SELECT name, paused, updated_at FROM "{schema}".pgjobs_schedule '
+                         "ORDER BY name").fetchall()
+    hooks = db.execute(f'SELECT id, enabled, consecutive_failures, disabled_at FROM "{schema}"'
+                       ".pgjobs_webhook_endpoint ORDER BY id").fetchall()
+    return (jobs, dead, queues, entries, hooks)
 
 
 def seeded(core: QueueCore, db: psycopg.Connection[Any]) -> dict[str, Any]:
@@ -92,8 +108,18 @@ def seeded(core: QueueCore, db: psycopg.Connection[Any]) -> dict[str, Any]:
     running = claim(core, db, "alpha", 1)[0][0]  # ready[0]
     delayed = publish(core, db, "alpha", eta=in_future())
     beta = [publish(core, db, "beta") for _ in range(2)]
+    store = ScheduleStore(core.schema)
+    store.add(db, EntryDef("nightly/report", "app.report", "every 1h", "UTC", [], {}, {}))
+    store.add(db, EntryDef("held", "app.held", "0 3 * * *", "Europe/Paris", [], {}, {}),
+              paused=True)
+    hooks = WebhookStore(db, core.schema)
+    hook = hooks.add("https://example.com/hook", SECRET, description="orders")
+    off_hook = hooks.add("https://example.com/off", SECRET)
+    hooks.set_enabled(off_hook, False)
     return {"q": "alpha", "ready": ready[1], "ready_ids": ready[1:], "running": running,
-            "delayed": delayed, "dead": dead, "beta": beta, "acme": [ready[1], ready[3]]}
+            "delayed": delayed, "dead": dead, "beta": beta, "acme": [ready[1], ready[3]],
+            "entry": "nightly/report", "paused_entry": "held", "hook": hook,
+            "off_hook": off_hook}
 
 
 def sign_in(c: TestClient, prefix: str = "") -> str:
@@ -474,3 +500,167 @@ def test_limits_bounded_count_agrees_with_the_exact_one_up_to_the_bound(core, db
         assert [k["key"] for k in got] == [k["key"] for k in exact]
         assert [k["waiting"] for k in got] == [min(k["waiting"], bound + 1) for k in exact]
         assert all(g["oldest_waiting_age"] is not None for g in got)
+
+
+def fire_once(db: psycopg.Connection[Any], core: QueueCore, name: str) -> tuple[int, int]:
+    """Elect a leader and fire the entry's next occurrence as the scheduler does (a message
+    and a history row in one fenced statement); returns (term, message id)."""
+    store = ScheduleStore(core.schema)
+    lease = store.elect(db, "beat@host-1", 30.0)
+    assert lease is not None and lease.leading
+    entry = store.get(db, name)
+    occurrence = entry.anchor + timedelta(hours=1)
+    job = job_from_message("celery", {"body": "x", "headers": {"task": entry.task},
+                                      "properties": {}})
+    fired = store.fire(db, holder="beat@host-1", term=lease.term, entry=entry,
+                       occurrence=occurrence, watermark=occurrence, missed=0, job=job,
+                       core=core)
+    assert fired is not None and fired[1] is not None
+    return lease.term, int(fired[1])
+
+
+def test_schedule_pages_show_what_the_store_reads(core, db, client, schema):
+    seeded(core, db)
+    store = ScheduleStore(schema)
+    evil = "<script>alert('pwn')</script>"
+    store.add(db, EntryDef(evil, "t.<b>bold</b>", "every 30s", None, [evil], {}, {}))
+    c = client()
+    r = c.get("/schedules")
+    assert r.status_code == 200 and "Leader: none yet" in r.text
+    assert 'href="/schedules"' in r.text and 'href="/webhooks"' in r.text  # navigation
+    term, job_id = fire_once(db, core, "nightly/report")
+    page = c.get("/schedules").text
+    leader = store.leader(db)
+    assert f"<b>beat@host-1</b>, term {term}, live" in page
+    assert dashboard_ts(leader["expires_at"]) in page
+    rows = {html.unescape(k): v for k, v in re.findall(
+        r'<tr class="(?:paused)?" data-name="([^"]+)">(.*?)</tr>', page, re.S)}
+    assert set(rows) == {"nightly/report", "held", evil}
+    for entry in store.load(db):
+        row = rows[entry.name]
+        due = _next_due(entry)
+        assert str(escape(entry.task)) in row and str(escape(entry.schedule)) in row
+        assert (dashboard_ts(due) in row) if due else "<td>-</td>" in row
+        assert f'<td class="n">{entry.fires}</td>' in row and entry.source in row
+        assert ("badge paused" in row) == entry.paused
+    nightly = rows["nightly/report"]
+    assert "<td>UTC</td>" in nightly and '<td class="n">1</td>' in nightly
+    assert dashboard_ts(store.get(db, "nightly/report").last_fired_at) in nightly
+    assert "Europe/Paris" in rows["held"] and "<td>-</td>" in rows["held"]  # paused: no due
+    assert 'href="/schedules/nightly%2Freport"' in page
+
+    r = c.get("/schedules/nightly%2Freport")
+    assert r.status_code == 200 and "Schedule entry nightly/report" in r.text
+    fires = re.findall(r'<tr data-id="(\d+)">(.*?)</tr>', r.text, re.S)
+    history = store.history(db, "nightly/report")
+    assert [int(i) for i, _ in fires] == [f["id"] for f in history] and len(fires) == 1
+    assert f'href="/messages/{job_id}"' in fires[0][1] and "beat@host-1" in fires[0][1]
+    assert f'<td class="n">{term}</td>' in fires[0][1]
+    assert c.get("/schedules/no-such-entry").status_code == 404
+    for path in ("/schedules", f"/schedules/{quote(evil, safe='')}"):
+        r = c.get(path)
+        assert r.status_code == 200, path
+        assert "<script>alert" not in r.text and "<b>bold" not in r.text, path
+        assert "&lt;script&gt;alert(&#39;pwn&#39;)&lt;/script&gt;" in r.text, path
+
+
+def dashboard_ts(value: Any) -> str:
+    from kombu_pgjobs.cli import _ts
+
+    return _ts(value)
+
+
+def test_webhook_pages_show_the_store_and_never_the_secret(core, db, client, schema):
+    s = seeded(core, db)
+    hooks = WebhookStore(db, schema)
+    evil = "<script>alert('pwn')</script>"
+    bad = hooks.add("https://example.com/evil", SECRET, description=evil, disable_after=2)
+    attempt = {"endpoint_id": bad, "event_id": "evt_1", "event_type": "order.paid",
+               "task_id": None, "attempt": 1, "status": 500, "latency_ms": 12.5,
+               "outcome": "retrying", "error": None, "excerpt": evil, "location": None,
+               "retry_after": None, "delay": 30}
+    first = hooks.record_attempt(attempt, effect="none", disable_after=5)["id"]
+    second = hooks.record_attempt({**attempt, "attempt": 2, "outcome": "failed"},
+                                  effect="count", disable_after=5)["id"]
+    extra = [hooks.add(f"https://example.com/{i}", SECRET) for i in range(49)]
+    c = client()
+    first_page = c.get("/webhooks").text
+    assert ids_in(first_page) == [s["hook"], s["off_hook"], bad, *extra[:47]]
+    nxt = re.search(r'href="([^"]+)" rel="next"', first_page).group(1).replace("&amp;", "&")
+    second_page = c.get(nxt).text
+    assert ids_in(second_page) == extra[47:] and 'rel="next"' not in second_page
+    row = re.search(rf'<tr data-id="{bad}".*?</tr>', first_page, re.S).group(0)
+    assert '<td class="n">1</td>' in row and "failed 500" in row and "<td>2</td>" in row
+    off = re.search(rf'<tr data-id="{s["off_hook"]}".*?</tr>', first_page, re.S).group(0)
+    assert "badge paused" in off and "(operator)" in off
+
+    page = c.get(f"/webhooks/{bad}").text
+    assert [int(i) for i in re.findall(r'<tr data-id="(\d+)"', page)] == [second, first]
+    assert "order.paid" in page and "evt_1" in page and "********" in page
+    assert "<script>alert" not in page and "&lt;script&gt;alert(" in page
+    assert c.get("/webhooks/999999").status_code == 404
+    assert c.get("/webhooks/x").status_code == 400
+    pages = [first_page, second_page, page, c.get(f"/webhooks/{s['off_hook']}").text]
+    # write mode, signed in: the confirmation and result pages don't show it either
+    w = client(write=True, token=TOKEN)
+    csrf = sign_in(w)
+    pages.append(w.get(f"/webhooks/{s['hook']}").text)
+    pages.append(w.post(f"/webhooks/{s['hook']}/disable", data={"csrf": csrf}).text)
+    pages.append(w.post(f"/webhooks/{s['hook']}/disable",
+                        data={"csrf": csrf, "confirm": "yes"}).text)
+    for text in pages:
+        assert SECRET not in text and SECRET[:12] not in text
+
+
+def test_schedule_and_webhook_actions_confirm_then_act(core, db, client, schema):
+    s = seeded(core, db)
+    c = client(write=True, token=TOKEN)
+    csrf = sign_in(c)
+
+    def paused(name: str) -> bool:
+        return db.execute(f'SELECT paused FROM "{schema}".pgjobs_schedule WHERE name = %s',
+                          [name]).fetchone()[0]
+
+    def enabled(ident: int) -> tuple[Any, ...]:
+        return db.execute(f'SELECT enabled, disabled_reason FROM "{schema}"'
+                          ".pgjobs_webhook_endpoint WHERE id = %s", [ident]).fetchone()
+
+    assert 'action="/schedules/nightly%2Freport/pause"' in c.get("/schedules").text
+    r = c.post("/schedules/nightly%2Freport/pause", data={"csrf": csrf})
+    assert r.status_code == 200 and 'name="confirm" value="yes"' in r.text
+    assert "Pause schedule entry nightly/report" in r.text and not paused("nightly/report")
+    r = c.post("/schedules/nightly%2Freport/pause", data={"csrf": csrf, "confirm": "yes"})
+    assert r.status_code == 200 and paused("nightly/report")
+    r = c.post("/schedules/held/resume", data={"confirm": "yes"},
+               headers={"authorization": f"Bearer {TOKEN}", "accept": "application/json"})
+    assert r.json() == {"name": "held", "paused": False} and not paused("held")
+    r = c.post("/schedules/nope/pause", data={"csrf": csrf, "confirm": "yes"})
+    assert r.status_code == 404 and "PGJ-605" in r.text
+
+    assert f'action="/webhooks/{s["hook"]}/disable"' in c.get(f"/webhooks/{s['hook']}").text
+    r = c.post(f"/webhooks/{s['hook']}/disable", data={"csrf": csrf, "confirm": "yes"})
+    assert r.status_code == 200 and enabled(s["hook"]) == (False, "operator")
+    r = c.post(f"/webhooks/{s['off_hook']}/enable", data={"confirm": "yes"},
+               headers={"authorization": f"Bearer {TOKEN}", "accept": "application/json"})
+    assert r.json()["enabled"] is True and enabled(s["off_hook"]) == (True, None)
+    r = c.post("/webhooks/999999/enable", data={"csrf": csrf, "confirm": "yes"})
+    assert r.status_code == 404 and "PGJ-802" in r.text
+
+
+def test_an_older_schema_keeps_the_other_pages(core, db, client, schema):
+    """A schema from before the scheduler and webhooks (versions 9, 10): their pages say to
+    migrate (503, PGJ-701) and every other page works."""
+    s = seeded(core, db)
+    for table in ("pgjobs_schedule_fire", "pgjobs_schedule", "pgjobs_leader",
+                  "pgjobs_webhook_attempt", "pgjobs_webhook_endpoint"):
+        db.execute(f'DROP TABLE "{schema}".{table}')
+    db.execute(f'DELETE FROM "{schema}".pgjobs_migration WHERE version IN (9, 10)')
+    c = client()
+    for path in ("/schedules", "/schedules/x", "/webhooks", "/webhooks/1"):
+        r = c.get(path)
+        assert r.status_code == 503 and "PGJ-701" in r.text and "pgjobs migrate" in r.text, path
+    for path in ("/", "/messages", f"/messages/{s['ready']}", "/dead", "/limits", "/workers",
+                 "/tenants"):
+        assert c.get(path).status_code == 200, path
+    migrate(db, schema)  # the pages come back once migrated, without a restart
+    assert c.get("/schedules").status_code == 200 and c.get("/webhooks").status_code == 200

@@ -1,10 +1,12 @@
-"""The pgjobs operator dashboard: queues, messages, dead letters, limits and workers as web pages.
+"""The pgjobs operator dashboard: queues, messages, dead letters, limits, workers, tenants,
+schedules and webhooks as web pages.
 
 An optional part (``pip install 'kombu-pgjobs[dashboard]'``): a Starlette app with Jinja2
 templates, served by ``pgjobs dashboard`` (uvicorn) or mounted under a prefix in an existing
-ASGI app. Every page reads through :class:`kombu_pgjobs.admin.Admin`, the same statements the
-CLI runs; the dashboard has no SQL of its own. It is read-only unless started with ``write=True``
-and a token. Importing this package imports no web framework: :func:`create_app` does.
+ASGI app. Every page reads through :class:`kombu_pgjobs.admin.Admin` (schedules and webhooks
+through their stores), the same statements the CLI runs; the dashboard has no SQL of its own.
+It is read-only unless started with ``write=True`` and a token. Importing this package imports
+no web framework: :func:`create_app` does.
 """
 
 from __future__ import annotations

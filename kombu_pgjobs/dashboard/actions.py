@@ -30,7 +30,7 @@ from ..errors import (
 from .app import Dashboard, set_cookie, wants_json
 from .security import CSRF_COOKIE, SESSION_COOKIE, SESSION_SECONDS
 
-__all__ = ["routes"]
+__all__ = ["action", "routes"]
 
 log = logging.getLogger(__name__)
 
@@ -82,28 +82,36 @@ def _field(form: FormData, name: str) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def routes(dash: Dashboard) -> list[BaseRoute]:
-    def action(describe: Describe, perform: Perform, back: Callable[[Mapping[str, str]], str]
-               ) -> Callable[[Request], Any]:
-        async def handler(request: Request) -> Response:
-            form = await _gate(dash, request)
-            fields = {k: v for k, v in form.items()
-                      if isinstance(v, str) and k not in ("csrf", "confirm")}
-            params = {**fields, **{k: str(v) for k, v in request.path_params.items()}}
-            what = describe(params)
-            if _field(form, "confirm") != "yes":
-                return dash.render(request, "confirm.html", {
-                    "what": what, "action": request.url.path, "fields": fields,
-                    "back": back(params)})
-            result = await dash.run(lambda admin: perform(admin, params))
-            log.info("pgjobs.dashboard.action %s", what,
-                     extra={"action": "dashboard", "path": request.url.path})
-            if wants_json(request):
-                return JSONResponse(result)
-            return dash.render(request, "result.html",
-                               {"what": what, "result": result, "back": back(params)})
+def action(dash: Dashboard, describe: Describe, perform: Perform,
+           back: Callable[[Mapping[str, str]], str]) -> Callable[[Request], Any]:
+    """The handler of one action: the gate, the confirmation, then ``perform`` (its result
+    as JSON for a script, as a page for a browser, with a link ``back``)."""
 
-        return handler
+    async def handler(request: Request) -> Response:
+        form = await _gate(dash, request)
+        fields = {k: v for k, v in form.items()
+                  if isinstance(v, str) and k not in ("csrf", "confirm")}
+        params = {**fields, **{k: str(v) for k, v in request.path_params.items()}}
+        what = describe(params)
+        if _field(form, "confirm") != "yes":
+            return dash.render(request, "confirm.html", {
+                "what": what, "action": request.url.path, "fields": fields,
+                "back": back(params)})
+        result = await dash.run(lambda admin: perform(admin, params))
+        log.info("pgjobs.dashboard.action %s", what,
+                 extra={"action": "dashboard", "path": request.url.path})
+        if wants_json(request):
+            return JSONResponse(result)
+        return dash.render(request, "result.html",
+                           {"what": what, "result": result, "back": back(params)})
+
+    return handler
+
+
+def routes(dash: Dashboard) -> list[BaseRoute]:
+    def act(describe: Describe, perform: Perform, back: Callable[[Mapping[str, str]], str]
+            ) -> Callable[[Request], Any]:
+        return action(dash, describe, perform, back)
 
     def to_overview(p: Mapping[str, str]) -> str:
         return "/"
@@ -141,37 +149,37 @@ def routes(dash: Dashboard) -> list[BaseRoute]:
     return [
         Route("/login", login, methods=post),
         Route("/logout", logout, methods=post),
-        Route("/queues/{name:path}/pause", action(
+        Route("/queues/{name:path}/pause", act(
             lambda p: f"Pause queue {p['name']}: claims skip it, running messages finish",
             lambda a, p: a.pause(p["name"]), to_overview), methods=post),
-        Route("/queues/{name:path}/resume", action(
+        Route("/queues/{name:path}/resume", act(
             lambda p: f"Resume queue {p['name']}",
             lambda a, p: a.pause(p["name"], paused=False), to_overview), methods=post),
-        Route("/queues/{name:path}/purge", action(
+        Route("/queues/{name:path}/purge", act(
             lambda p: f"Purge queue {p['name']}: delete up to {_limit(p)} ready, delayed and "
                       "waiting messages (running ones finish)",
             lambda a, p: a.purge(p["name"], limit=_limit(p)), to_overview), methods=post),
-        Route("/messages/{id}/requeue", action(
+        Route("/messages/{id}/requeue", act(
             lambda p: f"Requeue message {p['id']}: run it now",
             lambda a, p: a.requeue([p["id"]]), to_message), methods=post),
-        Route("/messages/{id}/cancel", action(
+        Route("/messages/{id}/cancel", act(
             lambda p: f"Cancel message {p['id']}: delete it (a running one is marked, and "
                       "deleted instead of coming back)",
             lambda a, p: a.cancel([p["id"]]), to_message), methods=post),
-        Route("/dead/requeue", action(
+        Route("/dead/requeue", act(
             lambda p: _bulk("Requeue dead letters", p, ("queue", "tenant", "reason")),
             lambda a, p: a.dead_requeue(queue=_opt(p, "queue"), tenant=_opt(p, "tenant"),
                                         reason=_opt(p, "reason"), limit=_limit(p)),
             to_dead), methods=post),
-        Route("/dead/purge", action(
+        Route("/dead/purge", act(
             lambda p: _bulk("Purge dead letters", p, ("queue", "reason", "older_than")),
             lambda a, p: a.dead_purge(queue=_opt(p, "queue"), reason=_opt(p, "reason"),
                                       older_than=_opt(p, "older_than"), limit=_limit(p)),
             to_dead), methods=post),
-        Route("/dead/{id}/requeue", action(
+        Route("/dead/{id}/requeue", act(
             lambda p: f"Requeue dead letter {p['id']}: back to ready, attempts from 0",
             lambda a, p: a.dead_requeue([p["id"]]), to_dead), methods=post),
-        Route("/dead/{id}/purge", action(
+        Route("/dead/{id}/purge", act(
             lambda p: f"Purge dead letter {p['id']}: delete it for good",
             lambda a, p: a.dead_purge([p["id"]]), to_dead), methods=post),
     ]

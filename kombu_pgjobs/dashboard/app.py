@@ -44,9 +44,11 @@ from ..errors import (
     MigrationError,
     NotFound,
     PgJobsError,
+    ScheduleEntryNotFound,
     StateConflict,
 )
 from ..options import TransportOptions, validate_schema_name
+from ..schema import current_version
 from .security import CSRF_COOKIE, MIN_TOKEN, SESSION_COOKIE, Guard
 
 __all__ = ["Dashboard", "create_app"]
@@ -108,6 +110,9 @@ class Dashboard:
     _pool: ConnectionPool | None = field(default=None, init=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
     _checked: bool = field(default=False, init=False)
+    #: the schema version last read by :meth:`need` (a feature's page reads it until the
+    #: schema is new enough, then trusts it)
+    _version: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
         env = Environment(loader=FileSystemLoader(HERE / "templates"),
@@ -145,6 +150,15 @@ class Dashboard:
             raise DatabaseUnavailable(f"no database connection in time: {exc}") from exc
         except psycopg.OperationalError as exc:
             raise DatabaseUnavailable(f"the database cannot be reached: {exc}") from exc
+
+    def need(self, admin: Admin, version: int, feature: str) -> None:
+        """Refuse a feature's page on a schema older than the version that made its tables
+        (503, ``PGJ-701``): the other pages keep working."""
+        if self._version < version:
+            self._version = current_version(admin.conn, admin.schema)
+        if self._version < version:
+            raise MigrationError(f"schema {admin.schema!r} is at version {self._version}; "
+                                 f"{feature} need version {version}: run `pgjobs migrate`")
 
     async def run(self, fn: Callable[[Admin], T]) -> T:
         """Run ``fn(admin)`` on a pooled connection, off the event loop."""
@@ -189,7 +203,7 @@ def set_cookie(request: Request, response: Response, name: str, value: str,
 def _status(exc: PgJobsError) -> int:
     if isinstance(exc, (DashboardReadOnly, DashboardUnauthorized, DashboardCsrfFailed)):
         return 403
-    if isinstance(exc, NotFound):
+    if isinstance(exc, (NotFound, ScheduleEntryNotFound)):
         return 404
     if isinstance(exc, StateConflict):
         return 409
@@ -211,7 +225,7 @@ def create_app(dsn: str, *, schema: str = "pgjobs", write: bool = False,
     ``count_bound``: the overview's counts are exact up to this many per queue and state.
     ``secret`` signs the session and CSRF cookies (default: derived from the token, so every
     process given the same token agrees)."""
-    from . import actions, pages
+    from . import actions, pages, schedules, webhooks
 
     validate_schema_name(schema)
     if write and (not token or len(token) < MIN_TOKEN):
@@ -249,7 +263,8 @@ def create_app(dsn: str, *, schema: str = "pgjobs", write: bool = False,
             return JSONResponse({"error": {"code": None, "message": error.message}}, 503)
         return dash.render(request, "error.html", {"error": error, "status": 503}, 503)
 
-    routes = [*pages.routes(dash), *actions.routes(dash),
+    routes = [*pages.routes(dash), *schedules.routes(dash), *webhooks.routes(dash),
+              *actions.routes(dash),
               Mount("/static", app=StaticFiles(directory=HERE / "static"), name="static")]
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
