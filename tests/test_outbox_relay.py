@@ -92,6 +92,23 @@ def _held_by(db: psycopg.Connection[Any], schema: str, pid: int) -> int:
         "AND lease_owner LIKE %s AND lease_expires_at > now()", (f"%:{pid}",)).fetchone()[0]
 
 
+def _freeze_holding(db: psycopg.Connection[Any], schema: str, relay: subprocess.Popen[bytes],
+                    floor: int, timeout: float = 30.0) -> None:
+    """Stop ``relay`` (SIGSTOP) at a moment it holds a claimed batch, once ``floor`` rows are
+    published. A relay to Redis publishes a batch in milliseconds: frozen, what it holds cannot
+    change under the check (sampling it running could miss every batch until none was left)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if _outbox(db, schema)[1] >= floor:
+            relay.send_signal(signal.SIGSTOP)
+            if _held_by(db, schema, relay.pid) > 0:
+                return
+            relay.send_signal(signal.SIGCONT)
+        time.sleep(0.002)
+    raise AssertionError(f"relay {relay.pid} was never caught holding a batch past {floor} "
+                         f"published rows ({_outbox(db, schema)} staged/published)")
+
+
 @pytest.mark.slow
 def test_relay_two_relays_one_killed_twice_every_task_runs_at_least_once(
         db, app_db, broker, start_worker, tmp_path):
@@ -116,26 +133,27 @@ def test_relay_two_relays_one_killed_twice_every_task_runs_at_least_once(
     relays = [_relay(schema, url, log, batch=batch, lease_ttl=lease)]
     kills = 0
     try:
-        for _ in range(2):  # SIGKILL relay A mid-run while it holds a claimed batch, twice
+        # SIGKILL relay A mid-run while it holds a claimed batch, twice: A, then the A started
+        # in its place, each caught (frozen) holding a batch once it publishes at full speed.
+        # Only then does B join, and the killed relays' rows must be published by the others
+        # within one lease of each kill. (Waiting for that before the second kill, a relay to
+        # Redis had published everything else meanwhile, leaving no batch to be killed with.)
+        killed: list[tuple[list[int], float]] = []
+        for _ in range(2):
             victim = relays[0]
-            floor = _outbox(db, schema)[1] + 4 * batch  # once it is publishing at full speed
-            wait_for(lambda v=victim, f=floor: _outbox(db, schema)[1] >= f
-                     and _held_by(db, schema, v.pid) > 0, 30, interval=0.002,
-                     what="relay A publishing, holding a batch")
+            floor = min(_outbox(db, schema)[1] + 4 * batch, n - 4 * batch)
+            _freeze_holding(db, schema, victim, floor)
             victim.send_signal(signal.SIGKILL)
             victim.wait(10)
-            killed_at = time.monotonic()
             kills += 1
             held = [r[0] for r in db.execute(
                 f'SELECT id FROM "{schema}".pgjobs_outbox WHERE published_at IS NULL '
                 "AND lease_owner LIKE %s", (f"%:{victim.pid}",))]
             assert held and _outbox(db, schema)[0] > 0, "killed mid-run, holding rows"
-            # A again; B joins after the second kill. (Started together after the first, B
-            # could drain the table while A was still starting on a loaded machine, leaving no
-            # batch of A's to kill mid-run.)
-            relays[0] = _relay(schema, url, log, batch=batch, lease_ttl=lease)
-            if kills == 2:
-                relays.append(_relay(schema, url, log, batch=batch, lease_ttl=lease))  # B
+            killed.append((held, time.monotonic()))
+            relays[0] = _relay(schema, url, log, batch=batch, lease_ttl=lease)  # A again
+        relays.append(_relay(schema, url, log, batch=batch, lease_ttl=lease))  # B
+        for held, killed_at in killed:
             wait_for(lambda h=held: db.execute(
                 f'SELECT count(*) = 0 FROM "{schema}".pgjobs_outbox WHERE id = ANY(%s) '
                 "AND published_at IS NULL", (h,)).fetchone()[0], 30, interval=0.05,
