@@ -17,7 +17,7 @@ what it did and what is left: ``{"affected": n, "remaining": m}``; run it again 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from .admin import Admin, _bulk_limit
@@ -38,28 +38,35 @@ def _selection(admin: Admin, queue: str | None, task: str | None,
     return {"queue": queue, "task": task, "tenant": tenant}
 
 
-def _batched(admin: Admin, name: str, params: dict[str, Any], limit: int | None,
-             batch: int) -> int:
+def _batched(limit: int | None, batch: int, step: Callable[[int], int]) -> int:
+    """Run ``step(n)`` (changes at most ``n`` rows, returns how many it changed) in batches
+    of ``batch`` until ``limit`` rows changed or a batch changes none; the rows changed."""
     bound = _bulk_limit(limit)
     if not 1 <= int(batch) <= 100_000:
         raise BulkRefused(f"--batch must be between 1 and 100000, got {batch}")
     done = 0
     while done < bound:
-        row = admin.conn.execute(admin.q[name], {
-            **params, "limit": min(int(batch), bound - done)}).fetchone()
-        n = int(row[0]) if row else 0
+        n = step(min(int(batch), bound - done))
         done += n
         if n == 0:
             break
     return done
 
 
+def _statement(admin: Admin, name: str, params: dict[str, Any]) -> Callable[[int], int]:
+    """A batch step running the named statement (its first column: rows changed)."""
+    def step(n: int) -> int:
+        row = admin.conn.execute(admin.q[name], {**params, "limit": n}).fetchone()
+        return int(row[0]) if row else 0
+    return step
+
+
 def bulk_promote(admin: Admin, *, queue: str | None = None, task: str | None = None,
                  tenant: str | None = None, limit: int | None = None,
                  batch: int = 1000) -> dict[str, int]:
     params = _selection(admin, queue, task, tenant)
-    affected = _batched(admin, "bulk_promote", {**params, "channel": admin.channel}, limit,
-                        batch)
+    affected = _batched(limit, batch, _statement(
+        admin, "bulk_promote", {**params, "channel": admin.channel}))
     remaining = admin.conn.execute(admin.q["bulk_count"], {
         **params, "states": ["delayed"]}).fetchone()
     return {"affected": affected, "remaining": int(remaining[0]) if remaining else 0}
@@ -69,16 +76,15 @@ def bulk_requeue(admin: Admin, *, queue: str | None = None, task: str | None = N
                  tenant: str | None = None, limit: int | None = None,
                  batch: int = 1000) -> dict[str, int]:
     params = _selection(admin, queue, task, tenant)
-    bound = _bulk_limit(limit)
-    if not 1 <= int(batch) <= 100_000:
-        raise BulkRefused(f"--batch must be between 1 and 100000, got {batch}")
-    affected, remaining = 0, 0
-    while affected < bound:
-        done = admin.dead_requeue(**params, limit=min(int(batch), bound - affected))
-        affected += len(done["requeued"])
+    remaining = 0
+
+    def step(n: int) -> int:
+        nonlocal remaining
+        done = admin.dead_requeue(**params, limit=n)
         remaining = int(done["remaining"])
-        if not done["requeued"]:
-            break
+        return len(done["requeued"])
+
+    affected = _batched(limit, batch, step)
     return {"affected": affected, "remaining": remaining}
 
 
@@ -92,7 +98,8 @@ def bulk_remove(admin: Admin, *, queue: str | None = None, task: str | None = No
         raise InvalidArgument(f"--state {', '.join(bad)}: bulk remove takes "
                               f"{', '.join(REMOVABLE)} (running messages: cancel them by id)")
     params["states"] = wanted
-    affected = _batched(admin, "bulk_remove", {**params, "shard": admin.shard}, limit, batch)
+    affected = _batched(limit, batch, _statement(
+        admin, "bulk_remove", {**params, "shard": admin.shard}))
     remaining = admin.conn.execute(admin.q["bulk_count"], params).fetchone()
     return {"affected": affected, "remaining": int(remaining[0]) if remaining else 0}
 

@@ -477,7 +477,7 @@ def test_tenant_page_is_bounded_paged_and_agrees_with_the_exact_counts(core, db,
     capped = {r["tenant"]: r for r in admin.tenants(bound=2)["items"]}
     assert capped["acme"]["more"] and capped["acme"]["live"] == 3
     assert capped["globex"]["more"] and capped["globex"]["live"] == 3  # 2 ready + 1 delayed
-    assert capped["initech"] == {**capped["initech"], "live": 1, "more": False}
+    assert capped["initech"]["live"] == 1 and not capped["initech"]["more"]
 
 
 def test_limits_bounded_count_agrees_with_the_exact_one_up_to_the_bound(core, db, schema):

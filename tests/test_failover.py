@@ -17,6 +17,7 @@ import kombu
 import psycopg
 import pytest
 
+import kombu_pgjobs
 from kombu_pgjobs.cli import main as cli
 from kombu_pgjobs.errors import DatabaseUnavailable
 from tests.conftest import wait_for
@@ -102,7 +103,7 @@ def test_failover_to_a_promoted_standby_loses_nothing(pair, schema, start_worker
     app = Celery("failover", broker=url)
     app.conf.broker_transport_options = {"schema": schema}
     with kombu.Connection(url, transport_options={"schema": schema}) as conn, \
-            __import__("kombu_pgjobs").batch():
+            kombu_pgjobs.batch():
         producer = app.amqp.Producer(conn, auto_declare=True)
         for i in range(n):
             app.send_task("sleep_record", args=(f"t{i}", 0.004), producer=producer)
