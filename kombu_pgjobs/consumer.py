@@ -55,6 +55,7 @@ from .errors import DatabaseTimeout, DatabaseUnavailable, PgJobsError
 from .events import log_event, one_line
 from .green import pipe_read, pipe_write, wait_readable
 from .inflight import SUPPORTED, InFlight
+from .waiting import Ticket, Waits
 
 if TYPE_CHECKING:
     from .backend import Backend
@@ -102,6 +103,7 @@ class ConsumerLoop:
         self.state = State.DISCONNECTED
         self.conn: psycopg.Connection[Any] | None = None
         self.listening = False
+        self.waits = Waits()  # the queues this connection is registered as waiting on
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -126,8 +128,8 @@ class ConsumerLoop:
         self._hub_timer_at = 0.0
         self._hub_conn: psycopg.Connection[Any] | None = None  # whose socket the hub watches
         # A claim sent from the Hub whose result is not read yet: (InFlight, channel, queues,
-        # acks). The claim connection does nothing else meanwhile.
-        self.inflight: tuple[InFlight, Channel, list[str], list[Pair]] | None = None
+        # acks, wait ticket). The claim connection does nothing else meanwhile.
+        self.inflight: tuple[InFlight, Channel, list[str], list[Pair], Ticket | None] | None = None
         self.next_channel = 0  # where the next pump starts among the channels (round robin)
 
     @property
@@ -143,7 +145,7 @@ class ConsumerLoop:
             self.state = State.CONNECTED
             self.listening = False
             if self.options.use_listen_notify:
-                conn.add_notify_handler(lambda n: self._notified(n.payload))
+                conn.add_notify_handler(lambda n: self._notified(n.channel, n.payload))
             self.dirty.update(self.transport._callbacks)  # anything may have arrived meanwhile
         if not self._ack_listener:
             self.backend.add_ack_listener(self.poke)
@@ -152,12 +154,25 @@ class ConsumerLoop:
 
     def _listen(self, want: bool) -> None:
         """LISTEN while this connection consumes, UNLISTEN when it stops: a session that
-        listens and never reads holds the server's notification queue (cluster-wide) back."""
+        listens and never reads holds the server's notification queue (cluster-wide) back.
+        Two channels: the schema's (requeues, resumes, released limits wake every consumer)
+        and the connection's own wake channel (a publish wakes one registered consumer:
+        :mod:`kombu_pgjobs.waiting`), whose wake id's lock the connection holds meanwhile."""
         if want == self.listening or not self.options.use_listen_notify:
             return
         conn = self.claim_conn()
-        channel = sql.Identifier(self.backend.core.channel)
-        conn.execute(sql.SQL("LISTEN {}" if want else "UNLISTEN {}").format(channel))
+        core = self.backend.core
+        channel = sql.Identifier(core.channel)
+        if want:
+            waiter = self.waits.start()
+            core.hold_waiter(conn, waiter)
+            conn.execute(sql.SQL("LISTEN {}").format(channel))
+            conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.waits.channel)))
+        else:
+            if self.waits.waiter is not None:
+                core.unwait(conn, self.waits.waiter)
+            conn.execute(sql.SQL("UNLISTEN *"))
+            self.waits.stop()
         self.listening = want
 
     def stop_listening(self) -> None:
@@ -178,6 +193,7 @@ class ConsumerLoop:
         socket may reuse the number, and the Hub must not lose another reader of it)."""
         conn, self.conn = self.conn, None
         self.listening = False
+        self.waits.stop()  # the server drops a closed session's registrations' locks
         if conn is None:
             return
         if self.hub is not None and self._hub_conn is conn:
@@ -199,7 +215,7 @@ class ConsumerLoop:
         with self.lock:
             abandoned = False
             if self.inflight is not None:
-                pending, _, queues, acks = self.inflight
+                pending, _, queues, acks, _ = self.inflight
                 abandoned = not pending.done
                 self.inflight = None
                 self.backend.restore_acks(acks)
@@ -245,10 +261,12 @@ class ConsumerLoop:
     def mark_dirty(self, queues: Iterable[str]) -> None:
         self.dirty.update(queues)
 
-    def _notified(self, queue: str) -> None:
+    def _notified(self, channel: str, queue: str) -> None:
         """A NOTIFY for ``queue``. One read by psycopg together with a statement's result
         (the release in an ack wakes a parked message and notifies this very session) leaves
         the socket unreadable: :meth:`pump` claims again at once instead of waiting for it."""
+        if self.waits.waiter is not None and channel == self.waits.channel:
+            self.waits.woken(queue, self.transport._callbacks)
         self.dirty.add(queue)
         self.woken = True
 
@@ -266,8 +284,8 @@ class ConsumerLoop:
                     pg = conn.pgconn
                     pg.consume_input()
                     while (n := pg.notifies()) is not None:
-                        self.dirty.add(n.extra.decode("utf-8", "replace"))
-                        self.woken = True
+                        self._notified(n.relname.decode("utf-8", "replace"),
+                                       n.extra.decode("utf-8", "replace"))
                 except psycopg.Error as exc:
                     self._broken(exc, "listen")
 
@@ -286,8 +304,10 @@ class ConsumerLoop:
                 # the queue (notify handler) and must not be erased by a later clear.
                 self.dirty.difference_update(queues)
                 acks = backend.take_acks()
+                ticket = self.waits.ticket(queues, self.transport._callbacks)
                 try:
-                    result = backend.core.claim(conn, queues, n, acks)
+                    result = backend.core.claim(conn, queues, n, acks,
+                                                ticket and ticket.plan)
                 except BaseException as exc:
                     # (a lock or statement timeout arrives as DatabaseTimeout, a channel
                     # error: the connection's cursor translates it)
@@ -299,7 +319,7 @@ class ConsumerLoop:
                         if attempt == 1 and isinstance(exc, Exception):
                             continue
                     raise
-                return self._claimed(channel, queues, acks, result, no_ack=no_ack)
+                return self._claimed(channel, queues, acks, result, ticket, no_ack=no_ack)
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _start_claim(self, channel: Channel, queues: list[str], n: int) -> None:
@@ -309,8 +329,10 @@ class ConsumerLoop:
             conn = self.claim_conn()
             self.dirty.difference_update(queues)
             acks = backend.take_acks()
+            ticket = self.waits.ticket(queues, self.transport._callbacks)
             try:
-                query, params = backend.core.claim_statement(queues, n, acks)
+                query, params = backend.core.claim_statement(queues, n, acks,
+                                                             ticket and ticket.plan)
                 pending = InFlight(conn, query, params)
             except BaseException:
                 # Not sent (or not wholly): the acks go back to the buffer; the connection
@@ -320,7 +342,7 @@ class ConsumerLoop:
                 self._drop_conn()
                 self.state = State.DISCONNECTED
                 raise
-            self.inflight = (pending, channel, queues, acks)
+            self.inflight = (pending, channel, queues, acks, ticket)
             self.state = State.IN_FLIGHT
 
     def poll_inflight(self, *, block: bool = False) -> list[Claimed]:
@@ -331,7 +353,7 @@ class ConsumerLoop:
         with self.lock:
             if self.inflight is None:
                 return []
-            pending, channel, queues, acks = self.inflight
+            pending, channel, queues, acks, ticket = self.inflight
             timeout = self.options.connect_timeout + self.options.lease_ttl if block else None
             done = pending.wait(timeout) if block else pending.poll()
             if not done:
@@ -341,7 +363,7 @@ class ConsumerLoop:
             self.inflight = None
             self.state = State.CONNECTED
             result = self.backend.core.claim_result(pending.rows())
-            rows = self._claimed(channel, queues, acks, result, no_ack=False)
+            rows = self._claimed(channel, queues, acks, result, ticket, no_ack=False)
         closed = channel.closed or channel.closing or not channel._consumers
         callbacks = self.transport._callbacks
         orphans = [r for r in rows if closed or r.queue not in callbacks]
@@ -375,7 +397,8 @@ class ConsumerLoop:
                     self._broken(exc, "close")
 
     def _claimed(self, channel: Channel, queues: list[str], acks: list[Pair],
-                 result: ClaimResult, *, no_ack: bool) -> list[Claimed]:
+                 result: ClaimResult, ticket: Ticket | None, *,
+                 no_ack: bool) -> list[Claimed]:
         """Account for a claim's result: settled acks, held leases, what to claim next."""
         self._recovered()
         backend = self.backend
@@ -414,6 +437,12 @@ class ConsumerLoop:
             self.dirty.update(queues)  # more may be waiting
         elif result.due_in is not None:
             self._due(time.monotonic() + max(result.due_in, 0.0))
+        recheck = self.waits.settle(ticket, result)
+        if recheck == 0.0:  # registered: one more claim proves the queues empty
+            self.dirty.update(queues)
+            self.again = True
+        elif recheck is not None:  # a publish was in flight: look again shortly
+            self._due(time.monotonic() + recheck)
         return result.claimed
 
     def _due(self, at: float) -> None:
@@ -489,6 +518,12 @@ class ConsumerLoop:
             if self.inflight is not None:
                 return delivered  # the claim connection is busy until its result is read
         transport = self.transport
+        consuming = self._consuming()
+        if consuming != self.listening:  # LISTEN while consuming, and only then
+            with self.lock:
+                self._listen(consuming)
+        if self.listening:
+            self._tidy_waits()
         now = time.monotonic()
         if now >= self.next_poll:
             self.dirty.update(transport._callbacks)
@@ -500,10 +535,6 @@ class ConsumerLoop:
         age = self.backend.oldest_ack_age()
         acks_due = age is not None and age >= self.options.ack_flush_interval
         channels = list(transport.channels)
-        consuming = self._consuming()
-        if consuming != self.listening:  # LISTEN while consuming, and only then
-            with self.lock:
-                self._listen(consuming)
         first = self.next_channel % len(channels) if channels else 0
         for index, channel in enumerate(channels[first:] + channels[:first], first):
             if not channel._consumers or channel.closed:
@@ -538,6 +569,24 @@ class ConsumerLoop:
             with self.lock:
                 self.backend.flush_acks(self.claim_conn())
         return delivered
+
+    def _tidy_waits(self) -> None:
+        """Registrations of queues no longer consumed go (a cancelled consumer); wake-ups
+        that came for them are passed on to every consumer of those queues."""
+        waits = self.waits
+        callbacks = self.transport._callbacks
+        stale = waits.stale(callbacks)
+        if not stale and not waits.pass_on:
+            return
+        with self.lock:
+            core = self.backend.core
+            conn = self.claim_conn()
+            if stale and waits.waiter is not None:
+                core.unwait(conn, waits.waiter, stale)
+            passed, waits.pass_on = waits.pass_on, set()
+            passed.difference_update(callbacks)
+            if passed:
+                core.wake_all(conn, sorted(passed))
 
     def wait_budget(self, now: float) -> float:
         """Seconds until something is due: a poll, an ETA, an ack flush, a reconnect."""

@@ -50,6 +50,7 @@ __all__ = [
     "NewJob",
     "PublishOutcome",
     "QueueCore",
+    "WaitPlan",
     "job_from_message",
     "queue_full",
     "take_publish_outcome",
@@ -177,6 +178,20 @@ class ClaimResult:
     held_back: list[HeldBack] = field(default_factory=list)
     #: acks the claim left held (their concurrency key was busy): settle with :meth:`ack`
     unsettled: list[Pair] = field(default_factory=list)
+    #: drained with queues to wait on (``barrier``): whether no publish to them was in flight
+    #: (True), or one was (False); None when the claim registered nothing
+    quiet: bool | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class WaitPlan:
+    """What a claim registers when it drains (0017_wake_one.sql): consumer ``waiter`` (its
+    wake id; None for a consumer that polls) as waiting on ``register``, and the wake lock
+    of each queue in ``barrier`` tried (the claim's ``quiet``)."""
+
+    waiter: int | None
+    register: Sequence[str] = ()
+    barrier: Sequence[str] = ()
 
 
 def _parse_eta(value: Any) -> datetime | None:
@@ -522,25 +537,47 @@ class QueueCore:
 
     # -- claim and settle ----------------------------------------------------------------
     def claim(self, conn: psycopg.Connection, queues: Sequence[str], n: int,
-              acks: Sequence[Pair] = ()) -> ClaimResult:
+              acks: Sequence[Pair] = (), wait: WaitPlan | None = None) -> ClaimResult:
         """Flush fenced acks and claim up to ``n`` due messages, in one round trip.
 
         Acked messages that hold concurrency slots release them first. A claim (n > 0) never
         waits for a key's lock, so the acks of a busy key come back in ``unsettled`` (settle
-        them with :meth:`ack`, which waits)."""
-        query, params = self.claim_statement(queues, n, acks)
+        them with :meth:`ack`, which waits). ``wait``: what a consumer that LISTENs registers
+        when the queues are drained (see :class:`WaitPlan`)."""
+        query, params = self.claim_statement(queues, n, acks, wait)
         return self.claim_result(conn.execute(query, params).fetchall())
 
-    def claim_statement(self, queues: Sequence[str], n: int,
-                        acks: Sequence[Pair] = ()) -> tuple[sql.Composed, dict[str, Any]]:
+    def claim_statement(self, queues: Sequence[str], n: int, acks: Sequence[Pair] = (),
+                        wait: WaitPlan | None = None) -> tuple[sql.Composed, dict[str, Any]]:
         """The statement and parameters of :meth:`claim`, for a caller that sends it itself
         (the transport, without blocking Celery's event loop); read its rows with
         :meth:`claim_result`."""
         ack_ids, ack_claims = _pairs(acks)
+        wait = wait or WaitPlan(None)
         return with_limit(self.schema, "job_claim", n), {
             "ack_ids": ack_ids, "ack_claims": ack_claims, "queues": list(queues), "n": n,
             "ttl": self.lease_ttl, "worker": self.worker, "channel": self.channel,
+            "waiter": wait.waiter, "register": list(wait.register),
+            "barrier": list(wait.barrier), "schema_name": self.schema,
         }
+
+    def hold_waiter(self, conn: psycopg.Connection, waiter: int) -> None:
+        """Take wake id ``waiter``'s lock for the life of ``conn`` (its registrations are
+        alive while it is held)."""
+        conn.execute(self.q["waiter_hold"], {"waiter": waiter})
+
+    def unwait(self, conn: psycopg.Connection, waiter: int,
+               queues: Sequence[str] | None = None) -> None:
+        """Drop consumer ``waiter``'s registrations (of ``queues``; None: all of them, and
+        its wake id's lock)."""
+        conn.execute(self.q["waiter_forget"], {
+            "waiter": waiter, "queues": None if queues is None else list(queues),
+            "release": queues is None})
+
+    def wake_all(self, conn: psycopg.Connection, queues: Sequence[str]) -> None:
+        """Tell every consumer of ``queues`` to claim (a wake-up that reached a consumer
+        no longer consuming them is passed on)."""
+        conn.execute(self.q["waiter_pass_on"], {"channel": self.channel, "queues": list(queues)})
 
     def claim_result(self, rows: Sequence[tuple[Any, ...]]) -> ClaimResult:
         claimed: list[Claimed] = []
@@ -548,6 +585,7 @@ class QueueCore:
         held_back: list[HeldBack] = []
         due_in: float | None = None
         drained = False
+        quiet: bool | None = None
         unsettled: list[Pair] = []
         for kind, job_id, claim, queue, message, due, on_key in rows:
             if kind == "c":
@@ -561,10 +599,12 @@ class QueueCore:
             elif kind == "n":
                 drained = True
                 due_in = due
+            elif kind == "w":
+                quiet = bool(job_id)
         for h in held_back:
             if h.verdict == "refused":
                 log_event("pgjobs.limit.refused", job_id=h.id, key=h.key)
-        return ClaimResult(claimed, acked, due_in, drained, held_back, unsettled)
+        return ClaimResult(claimed, acked, due_in, drained, held_back, unsettled, quiet)
 
     def ack(self, conn: psycopg.Connection, pairs: Sequence[Pair]) -> set[int]:
         """Fenced delete of acked messages when no claim goes with them (the claim statement

@@ -77,6 +77,10 @@ SELECT g.n, g.id, g.holder_id, g.holder_task_id
 -- any candidate is admitted, so a candidate sees them free. A claim (%(n)s > 0) never waits
 -- for a key's lock: the acks of a busy key are left held and returned as 'u' rows, for the
 -- caller to settle with %(n)s = 0, which waits.
+-- Waiting (0017_wake_one.sql): when the claim drains, the queues in %(register)s are registered
+-- as waited on by consumer %(waiter)s (NULL: a consumer that polls), and the wake lock of each
+-- queue in %(barrier)s is tried; then one kind 'w' row says whether every try got its lock
+-- (id 1: no publish to those queues was in flight, id 0: one was).
 WITH given AS (
     -- The fenced acks, read once: which of them hold slots, and under which keys.
     SELECT a.id, a.claim, j.limits -> 'concurrency' AS caps
@@ -166,6 +170,25 @@ WITH given AS (
       FROM admitted AS a
      WHERE j.id = a.id AND (a.v IS NULL OR (a.v).verdict = 'ok')
     RETURNING j.id, j.claim, j.queue, j.priority, j.run_at, j.message
+), drained AS (
+    -- Fewer claimed than asked and nothing held back: these queues are empty for now.
+    SELECT (SELECT count(*) FROM claimed) < %(n)s
+       AND NOT EXISTS (SELECT 1 FROM admitted AS a WHERE (a.v).verdict <> 'ok')
+       -- The acks' release woke rows parked on their keys, which this statement's snapshot
+       -- cannot see: the queues are not drained (the caller claims again and takes them).
+       AND NOT EXISTS (SELECT 1
+                         FROM given AS g
+                         JOIN released AS r ON r.id = g.id AND r.claim = g.claim
+                        CROSS JOIN LATERAL jsonb_array_elements(g.caps) AS e
+                         JOIN {schema}.pgjobs_job AS w
+                           ON w.state = 'waiting' AND w.waiting_on = e.value ->> 'key')
+       AS yes
+), waiting AS (
+    INSERT INTO {schema}.pgjobs_waiter (queue, waiter)
+    SELECT wanted.name, %(waiter)s::bigint
+      FROM unnest(%(register)s::text[]) AS wanted(name)
+     WHERE %(waiter)s::bigint IS NOT NULL AND (SELECT yes FROM drained)
+    ON CONFLICT DO NOTHING
 )
 SELECT 'c' AS kind, id, claim, queue, message::text AS message, NULL::float8 AS due_in,
        NULL::text AS on_key
@@ -191,16 +214,16 @@ SELECT 'n', NULL, NULL, NULL, NULL,
                  ORDER BY j.run_at
                  LIMIT 1) AS d),
        NULL
- WHERE (SELECT count(*) FROM claimed) < %(n)s
-   AND NOT EXISTS (SELECT 1 FROM admitted AS a WHERE (a.v).verdict <> 'ok')
-   -- The acks' release woke rows parked on their keys, which this statement's snapshot
-   -- cannot see: the queues are not drained (the caller claims again and takes them).
-   AND NOT EXISTS (SELECT 1
-                     FROM given AS g
-                     JOIN released AS r ON r.id = g.id AND r.claim = g.claim
-                    CROSS JOIN LATERAL jsonb_array_elements(g.caps) AS e
-                     JOIN {schema}.pgjobs_job AS w
-                       ON w.state = 'waiting' AND w.waiting_on = e.value ->> 'key');
+ WHERE (SELECT yes FROM drained)
+UNION ALL
+-- Tried exclusively (never waiting) and held to this commit: a publisher that reads the
+-- registrations after this point waits for the commit and sees them.
+SELECT 'w', bool_and(pg_try_advisory_xact_lock(hashtext('pgjobs.wake'),
+                                               hashtext(%(schema_name)s || '.' || b.name)))::int,
+       NULL, NULL, NULL, NULL, NULL
+  FROM unnest(%(barrier)s::text[]) AS b(name)
+ WHERE %(waiter)s::bigint IS NOT NULL AND (SELECT yes FROM drained)
+HAVING count(*) > 0;
 
 -- name: job_requeue :many
 -- Fenced requeue (basic_reject requeue=True, warm-shutdown restore). When %(uncount)s, the

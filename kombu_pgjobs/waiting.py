@@ -1,0 +1,129 @@
+"""The queues a consumer that LISTENs waits on, as registered in ``pgjobs_waiter``.
+
+A publish wakes one registered consumer per message and deletes its registration
+(``0017_wake_one.sql``); a consumer that is not registered is woken by nobody. So a consumer
+may sleep on a queue only when its registration is in place and it has proved the queue empty
+after every publisher that could have missed the registration committed. Per queue:
+
+absent
+    Not registered (at start, after a reconnect, after a wake-up deleted the registration).
+    A claim that drains registers the queue and tries its wake lock (the *barrier*).
+``unquiet``
+    Registered, but a publish to the queue was in flight at the barrier (it may not have seen
+    the registration): claim again shortly, trying the barrier again.
+``confirming``
+    Registered and the barrier was quiet: every publisher that missed the registration has
+    committed. One more claim sees their rows; if it drains, the queue is ``armed``.
+``armed``
+    Registered and proved empty: the consumer sleeps until a wake-up (or another reason to
+    claim). A claim that drains leaves it armed and sends nothing extra.
+
+A wake-up on the consumer's own channel means the registration is gone: the queue is absent
+again. A wake-up read while a claim was in flight must not be overwritten by that claim's
+result, hence the per-queue wake count a :class:`Ticket` remembers.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+from .core import ClaimResult, WaitPlan
+
+__all__ = ["ARMED", "CONFIRMING", "UNQUIET", "Ticket", "Waits"]
+
+UNQUIET = "unquiet"
+CONFIRMING = "confirming"
+ARMED = "armed"
+
+#: Looking again after an unquiet barrier: first wait, and the most it grows to (a publisher
+#: inside a long transaction keeps the barrier unquiet until it commits).
+RECHECK_FIRST = 0.002
+RECHECK_MAX = 0.5
+
+_random = random.SystemRandom()
+
+
+@dataclass(frozen=True, slots=True)
+class Ticket:
+    """A claim's wait plan and the wake counts of its queues when it was made."""
+
+    plan: WaitPlan
+    wakes: dict[str, int]
+
+
+class Waits:
+    """Registration states of one claim connection's queues (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.waiter: int | None = None
+        self.state: dict[str, str] = {}
+        self._wakes: dict[str, int] = {}
+        self._backoff = 0.0
+        #: wake-ups for queues this connection no longer consumes: to pass on to the others
+        self.pass_on: set[str] = set()
+
+    @property
+    def channel(self) -> str:
+        """The wake channel of the current wake id."""
+        return f"pgjobs.w.{self.waiter}"
+
+    def start(self) -> int:
+        """A new wake id (a new connection LISTENs): nothing registered under it yet. Ids
+        start above 2**32, out of the range of a one-int advisory lock key."""
+        self.waiter = _random.randrange(2**32, 2**62)
+        self.state.clear()
+        return self.waiter
+
+    def stop(self) -> None:
+        """The connection stopped listening or is gone (its registrations go with it)."""
+        self.waiter = None
+        self.state.clear()
+
+    def woken(self, queue: str, consumed: Collection[str]) -> None:
+        """A wake-up on this consumer's channel: its registration on ``queue`` was deleted."""
+        self.state.pop(queue, None)
+        self._wakes[queue] = self._wakes.get(queue, 0) + 1
+        if queue not in consumed:
+            self.pass_on.add(queue)
+
+    def ticket(self, queues: Sequence[str], consumed: Collection[str]) -> Ticket | None:
+        """What a claim of ``queues`` registers and tries if it drains (None: polling)."""
+        if self.waiter is None:
+            return None
+        mine = [q for q in queues if q in consumed]
+        register = [q for q in mine if q not in self.state]
+        barrier = [q for q in mine if self.state.get(q, UNQUIET) == UNQUIET]
+        return Ticket(WaitPlan(self.waiter, register, barrier),
+                      {q: self._wakes.get(q, 0) for q in mine})
+
+    def settle(self, ticket: Ticket | None, result: ClaimResult) -> float | None:
+        """Account for a drained claim. Returns 0.0 to claim again at once, a delay to look
+        again after, or None when every queue of the claim is armed."""
+        if ticket is None or not result.drained or self.waiter != ticket.plan.waiter:
+            return None
+        again: float | None = None
+        for q, count in ticket.wakes.items():
+            if self._wakes.get(q, 0) != count:
+                continue  # woken meanwhile: absent, and already marked to claim
+            if q in ticket.plan.barrier:
+                if result.quiet:
+                    self.state[q] = CONFIRMING
+                    again = 0.0
+                else:
+                    self.state[q] = UNQUIET
+                    self._backoff = min(RECHECK_MAX, max(RECHECK_FIRST, self._backoff * 2))
+                    again = self._backoff if again is None else min(again, self._backoff)
+            elif self.state.get(q) == CONFIRMING:
+                self.state[q] = ARMED
+        if result.quiet:
+            self._backoff = 0.0
+        return again
+
+    def stale(self, consumed: Collection[str]) -> list[str]:
+        """Registered queues no longer consumed (their registrations are to be dropped)."""
+        gone = [q for q in self.state if q not in consumed]
+        for q in gone:
+            del self.state[q]
+        return gone
