@@ -1,28 +1,33 @@
-"""What the NOTIFY on every publish costs: publish throughput, and transactions per message.
+"""What waking consumers costs: publish throughput, and transactions per message.
 
     python -m bench.notify [--threads 8] [--seconds 5] [--runs 3]
-                           [--consumers 1,6] [--messages 200] [--gap 0.02]
+                           [--consumers 1,6,16] [--messages 200] [--gap 0.02]
 
-The insert trigger (``pgjobs_notify_v1``, schema/0001) sends one NOTIFY per publishing
-statement. Two costs are measured, each in the database ``bench_notify`` of the server of
-$BENCH_PG_ADMIN_DSN (created when missing; nothing else uses it, so its counters are ours):
+Since schema version 17 the insert trigger (``pgjobs_wake_v1``, schema/0017) wakes one
+registered consumer per message and sends no NOTIFY when no consumer waits. Each figure is
+measured with three triggers on the job table, side by side: ``wake`` (today's), ``broadcast``
+(version 1's ``pgjobs_notify_v1``, installed here for the comparison: one NOTIFY per publishing
+statement on the schema's channel, heard by every consumer) and ``none`` (no trigger: the
+ceiling). In the database ``bench_notify`` of the server of $BENCH_PG_ADMIN_DSN (created when
+missing; nothing else uses it, so its counters are ours):
 
 (a) **Publish throughput**: ``--threads`` threads publish through kombu for ``--seconds``
     each, every thread on its own publish connection (a backend per thread: distinct
-    ``application_name``), with the trigger enabled and then disabled on the job table,
-    alternating, ``--runs`` times; each also with ``durable_publish=False``. PostgreSQL
-    serialises the commits of every transaction that notified (a lock held from pre-commit to
-    the end of commit, WAL flush included, across the cluster), so with the trigger concurrent
+    ``application_name``), no consumer registered (a fleet that is busy), each trigger in turn,
+    ``--runs`` times; each also with ``durable_publish=False``. PostgreSQL serialises the
+    commits of every transaction that notified (a lock held from pre-commit to the end of
+    commit, WAL flush included, across the cluster), so with ``broadcast`` concurrent
     publishers commit one at a time. Messages/s, median of runs.
 
 (b) **Transactions per message**: ``N`` idle kombu consumers (LISTEN, the default), each on
     its own connection, consume one queue; ``--messages`` messages are published one at a
     time, ``--gap`` seconds apart, so every message finds the consumers idle (the common case
-    for a lightly loaded queue). Each NOTIFY wakes every consumer; all claim, one gets the
-    message. ``xact_commit + xact_rollback`` of the database is read before and after, once
-    with publishes and once idle for the same time (same consumers, same start and stop), and
-    the difference divided by the messages. The counters are read only after every connection
-    of the phase closed (a backend reports them when it exits).
+    for a lightly loaded queue). With ``broadcast`` each NOTIFY wakes every consumer (all
+    claim, one gets the message); with ``wake`` one. ``xact_commit + xact_rollback`` of the
+    database is read before and after, once with publishes and once idle for the same time
+    (same consumers, same start and stop), and the difference divided by the messages. The
+    counters are read only after every connection of the phase closed (a backend reports them
+    when it exits).
 
 Nothing here is a test: figures depend on the machine; see docs/benchmarks.md for recorded
 runs.
@@ -55,9 +60,25 @@ def _url() -> str:
     return parts._replace(scheme="pgjobs").geturl()
 
 
-def _setup(trigger: bool) -> None:
-    """A fresh schema; the notify trigger on or off; autovacuum off (its transactions would
-    count in (b))."""
+#: version 1's trigger, for the comparison (``broadcast``)
+_BROADCAST = """
+CREATE FUNCTION {s}.bench_notify_v1() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM pg_notify('pgjobs.' || TG_TABLE_SCHEMA, q.queue)
+       FROM (SELECT DISTINCT queue FROM new_rows) AS q;
+    RETURN NULL;
+END
+$$;
+CREATE TRIGGER bench_notify_v1 AFTER INSERT ON {s}.pgjobs_job
+    REFERENCING NEW TABLE AS new_rows
+    FOR EACH STATEMENT EXECUTE FUNCTION {s}.bench_notify_v1();
+"""
+TRIGGERS = ("wake", "broadcast", "none")
+
+
+def _setup(trigger: str) -> None:
+    """A fresh schema with ``trigger`` (one of TRIGGERS) on the job table; autovacuum off (its
+    transactions would count in (b))."""
     with psycopg.connect(PG_ADMIN_DSN, autocommit=True) as admin:
         if admin.execute("SELECT 1 FROM pg_database WHERE datname = %s",
                          (DATABASE,)).fetchone() is None:
@@ -68,8 +89,10 @@ def _setup(trigger: bool) -> None:
         for table in ("pgjobs_job", "pgjobs_slot", "pgjobs_queue", "pgjobs_counter",
                       "pgjobs_consumer"):
             conn.execute(f'ALTER TABLE "{SCHEMA}".{table} SET (autovacuum_enabled = false)')
-        state = "ENABLE" if trigger else "DISABLE"
-        conn.execute(f'ALTER TABLE "{SCHEMA}".pgjobs_job {state} TRIGGER pgjobs_job_notify_v1')
+        if trigger != "wake":
+            conn.execute(f'ALTER TABLE "{SCHEMA}".pgjobs_job DISABLE TRIGGER pgjobs_job_wake_v1')
+        if trigger == "broadcast":
+            conn.execute(_BROADCAST.format(s=f'"{SCHEMA}"'))
 
 
 def _connection(name: str, **options: Any) -> kombu.Connection:
@@ -206,7 +229,7 @@ def consume_phase(consumers: int, messages: int, gap: float,
     return _xacts() - before, elapsed
 
 
-def xacts_per_message(consumers: int, messages: int, gap: float) -> dict[str, float]:
+def xacts_per_message(consumers: int, messages: int, gap: float) -> dict[str, Any]:
     busy, busy_s = consume_phase(consumers, messages, gap)
     idle, idle_s = consume_phase(consumers, 0, gap, idle_for=busy_s)
     # what the same consumers cost doing nothing for as long, scaled to the busy phase's time
@@ -223,7 +246,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=8)
     p.add_argument("--seconds", type=float, default=5.0)
     p.add_argument("--runs", type=int, default=3)
-    p.add_argument("--consumers", default="1,6", help="idle consumer counts for (b)")
+    p.add_argument("--consumers", default="1,6,16", help="idle consumer counts for (b)")
     p.add_argument("--messages", type=int, default=200)
     p.add_argument("--gap", type=float, default=0.02, help="seconds between (b)'s publishes")
     p.add_argument("--skip", choices=["a", "b"], help="leave one part out")
@@ -233,8 +256,9 @@ def main() -> None:
     if args.skip != "a":
         # durable_publish=False as well: the lock NOTIFY takes is held through the commit's
         # WAL flush, which an asynchronous commit does not wait for
-        cases = {"trigger": (True, True), "no_trigger": (True, False),
-                 "trigger_async": (False, True), "no_trigger_async": (False, False)}
+        cases = {f"{t}{suffix}": (durable, t) for durable, suffix in ((True, ""),
+                                                                     (False, "_async"))
+                 for t in TRIGGERS}
         rates: dict[str, list[float]] = {k: [] for k in cases}
         for _ in range(args.runs):
             for name, (durable, trigger) in cases.items():
@@ -246,8 +270,10 @@ def main() -> None:
     if args.skip != "b":
         result["xacts"] = []
         for n in (int(x) for x in args.consumers.split(",")):
-            _setup(True)
-            result["xacts"].append(xacts_per_message(n, args.messages, args.gap))
+            for trigger in ("wake", "broadcast"):
+                _setup(trigger)
+                result["xacts"].append({"trigger": trigger,
+                                        **xacts_per_message(n, args.messages, args.gap)})
     if args.json:
         print(json.dumps(result, indent=2))
         return
@@ -255,10 +281,11 @@ def main() -> None:
         r = result["publish"]
         print(f"(a) {r['threads']} threads publishing through kombu, {r['seconds']:g} s each, "
               f"median of {args.runs}:")
-        for k in ("trigger", "no_trigger", "trigger_async", "no_trigger_async"):
+        for k in (f"{t}{suffix}" for suffix in ("", "_async") for t in TRIGGERS):
             print(f"    {k:<16} {r[k]['median']:>7,} msg/s   runs {r[k]['runs']}")
     for r in result.get("xacts", []):
-        print(f"(b) {r['consumers']} idle consumer(s), {r['messages']} messages "
+        print(f"(b) {r['trigger']:<9} {r['consumers']:>2} idle consumer(s), "
+              f"{r['messages']} messages "
               f"{args.gap:g} s apart: {r['per_message']} transactions per message "
               f"({r['xacts_busy']} in all, {r['xacts_idle_same_time']} of them the idle "
               f"cost of that time; {r['per_message_raw']} per message raw)")
