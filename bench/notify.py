@@ -29,6 +29,14 @@ missing; nothing else uses it, so its counters are ours):
     counters are read only after every connection of the phase closed (a backend reports them
     when it exits).
 
+    PostgreSQL (15, and up to 17 at least) signals *every* LISTENing backend of the database on
+    every NOTIFY, whatever its channel, and each signalled backend runs a short transaction of
+    its own to read the notification queue: a server-side cost per listener per NOTIFY that
+    ``xact_commit`` counts, though no client wakes for it. (c) measures it in the same run:
+    ``N`` plain connections LISTEN on an unrelated channel while ``--messages`` NOTIFYs are
+    sent. (b)'s *client* figure is its per-message figure less that share (``N`` listeners times
+    one NOTIFY per message): the round trips the consumers themselves make.
+
 Nothing here is a test: figures depend on the machine; see docs/benchmarks.md for recorded
 runs.
 """
@@ -240,6 +248,28 @@ def xacts_per_message(consumers: int, messages: int, gap: float) -> dict[str, An
             "per_message_raw": round(busy / messages, 2)}
 
 
+def signal_cost(listeners: int, notifies: int) -> float:
+    """(c): server transactions per NOTIFY per listening backend that is not the channel's."""
+    def run(n: int) -> int:
+        _quiet()
+        before = _xacts()
+        held = [psycopg.connect(pg_dsn(DATABASE), autocommit=True) for _ in range(n)]
+        try:
+            for conn in held:
+                conn.execute('LISTEN "bench.elsewhere"')
+            with psycopg.connect(pg_dsn(DATABASE), autocommit=True) as pub:
+                for _ in range(notifies):
+                    pub.execute("SELECT pg_notify('bench.nobody', 'x')")
+            time.sleep(0.3)  # every listener read the queue
+        finally:
+            for conn in held:
+                conn.close()
+        _quiet()
+        return _xacts() - before
+    extra = run(listeners) - run(0)
+    return extra / (listeners * notifies) if listeners else 0.0
+
+
 def main() -> None:
     p = argparse.ArgumentParser(prog="python -m bench.notify", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -272,8 +302,11 @@ def main() -> None:
         for n in (int(x) for x in args.consumers.split(",")):
             for trigger in ("wake", "broadcast"):
                 _setup(trigger)
-                result["xacts"].append({"trigger": trigger,
-                                        **xacts_per_message(n, args.messages, args.gap)})
+                row = xacts_per_message(n, args.messages, args.gap)
+                row["signal_per_listener"] = round(signal_cost(n, args.messages), 2)
+                row["client_per_message"] = round(row["per_message"]
+                                                  - n * row["signal_per_listener"], 2)
+                result["xacts"].append({"trigger": trigger, **row})
     if args.json:
         print(json.dumps(result, indent=2))
         return
@@ -288,7 +321,9 @@ def main() -> None:
               f"{r['messages']} messages "
               f"{args.gap:g} s apart: {r['per_message']} transactions per message "
               f"({r['xacts_busy']} in all, {r['xacts_idle_same_time']} of them the idle "
-              f"cost of that time; {r['per_message_raw']} per message raw)")
+              f"cost of that time; {r['per_message_raw']} per message raw); "
+              f"(c) {r['signal_per_listener']} per listener per NOTIFY, so "
+              f"{r['client_per_message']} made by the clients")
 
 
 if __name__ == "__main__":
