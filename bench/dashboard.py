@@ -134,8 +134,11 @@ def fill(rows: int, dead: int, waiting: int, refill: bool) -> None:
 def pages() -> list[tuple[str, str]]:
     with psycopg.connect(DSN) as conn:
         s = f'"{SCHEMA}"'
-        mid = conn.execute(f"SELECT id FROM {s}.pgjobs_job WHERE state = 'running' "
-                           "ORDER BY id OFFSET 1000 LIMIT 1").fetchone()[0]
+        # a running message a thousand in (or the last one, on a small --rows)
+        mid = conn.execute(f"SELECT coalesce((SELECT id FROM {s}.pgjobs_job "
+                           "WHERE state = 'running' ORDER BY id OFFSET 1000 LIMIT 1), "
+                           f"(SELECT max(id) FROM {s}.pgjobs_job WHERE state = 'running'))"
+                           ).fetchone()[0]
         dead = conn.execute(f"SELECT max(id) FROM {s}.pgjobs_dead_letter").fetchone()[0]
         deep = conn.execute(f"SELECT id FROM {s}.pgjobs_job ORDER BY id OFFSET 900000 LIMIT 1"
                             ).fetchone()

@@ -16,6 +16,7 @@ from typing import Any
 import kombu
 import psycopg
 
+from kombu_pgjobs.backend import release_all
 from kombu_pgjobs.core import job_from_message
 
 SCHEMA = "bench_kombu"
@@ -68,6 +69,7 @@ def main() -> None:
         print(f"batch publish: {n / (time.perf_counter() - start):,.0f} msg/s")
         rate = consume_and_ack(conn, channel, queue, n, args.prefetch)
         print(f"consume+ack (prefetch {args.prefetch}): {rate:,.0f} msg/s")
+    release_all()  # the process's backends deregister before their schema goes
     with psycopg.connect(args.url.replace("pgjobs://", "postgresql://"), autocommit=True) as db:
         db.execute(f"DROP SCHEMA IF EXISTS {SCHEMA} CASCADE")
 

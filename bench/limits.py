@@ -32,6 +32,7 @@ import kombu
 import psycopg
 
 from bench.kombu_level import consume_and_ack, publish_in_batches
+from kombu_pgjobs.backend import release_all
 from kombu_pgjobs.core import job_from_message
 from kombu_pgjobs.limits import LIMITS_HEADER
 
@@ -146,6 +147,7 @@ def main() -> None:
             med = statistics.median(rates)
             print(f"{mode:<10} {med:>8,.0f} {min(rates):>7,.0f}-{max(rates):<7,.0f}"
                   f" {med / base:>6.2f}x")
+    release_all()  # the process's backends deregister before their schema goes
     with psycopg.connect(args.url.replace("pgjobs://", "postgresql://"), autocommit=True) as db:
         db.execute(f"DROP SCHEMA IF EXISTS {SCHEMA} CASCADE")
 
