@@ -86,6 +86,30 @@ def stamp(sent: float) -> None:
     _append("latency", f"{delay:.6f}\n".encode())
 
 
+@app.task(name="bench.stages", bind=True, acks_late=True)
+def stages(self: Any, sent: float) -> None:
+    """``bench.stages``: the body's start, and from the pgjobs row still held (acks late) the
+    publish transaction's ``now()`` and the claim's (its lease's start)."""
+    started = time.time()
+    created = claimed = float("nan")
+    url = os.environ.get("BENCH_BROKER_URL", "")
+    if url.startswith("pgjobs://"):
+        import psycopg
+
+        opts = _transport_options()
+        schema = str(opts.get("schema", "pgjobs")).replace('"', '""')
+        ttl = float(opts.get("lease_ttl", 30))
+        with psycopg.connect("postgresql://" + url[len("pgjobs://"):], autocommit=True) as db:
+            row = db.execute(
+                f'SELECT extract(epoch FROM created_at), '
+                f'extract(epoch FROM lease_expires_at) - %s FROM "{schema}".pgjobs_job '
+                f"WHERE queue = %s AND state = 'running' AND message -> 'headers' ->> 'id' = %s",
+                (ttl, QUEUE, self.request.id)).fetchone()
+        if row:
+            created, claimed = float(row[0]), float(row[1])
+    _append("stages", f"{sent:.6f} {started:.6f} {created:.6f} {claimed:.6f}\n".encode())
+
+
 @worker_ready.connect
 def _on_worker_ready(**_: Any) -> None:
     if not _STATE_DIR:
