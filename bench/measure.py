@@ -3,6 +3,8 @@
 Order within a run (one broker at a time, so brokers never compete for the 2 cores):
   0. pgjobs only: the same publish with durable_publish=False, then also with
      confirm_publish=False                     -> publish_single_nondurable, _unconfirmed
+     RabbitMQ only: with publisher confirms (confirm_publish=True)
+                                               -> publish_single_confirmed
   1. purge, publish N with ``task.delay()`` (timed)       -> publish_single
   2. threads worker: drain those N (timed from ready)     -> drain_threads
   3. same worker, now idle: sequential latency samples    -> latency_p50/p95
@@ -195,6 +197,9 @@ class BrokerRun:
             self._phase("publish single, unconfirmed", lambda: self.publish(
                 "single", "publish_single_unconfirmed", durable_publish=False,
                 confirm_publish=False))
+        if self.broker.name == "amqp":  # pgjobs's own promise: the broker confirmed each one
+            self._phase("publish single, confirm_publish=True", lambda: self.publish(
+                "single", "publish_single_confirmed", confirm_publish=True))
         if self._phase("publish single", lambda: self.publish("single", "publish_single")):
             with self.worker("threads") as worker:
                 ok = self._phase("drain threads", lambda: self.drain(worker, "drain_threads"))

@@ -17,6 +17,7 @@ class Figure:
     fmt: str
     ratio: bool  # whether pgjobs/other is meaningful for this figure
     versus: str | None = None  # the other brokers' figure it is compared with (default: same)
+    mine: str | None = None  # pgjobs's figure compared with it (default: same)
 
 
 FIGURES = (
@@ -27,6 +28,9 @@ FIGURES = (
     Figure("publish_single_unconfirmed",
            "publish, `task.delay()`, `confirm_publish=False`, `durable_publish=False` (tasks/s)",
            "{:,.0f}", True, versus="publish_single"),
+    Figure("publish_single_confirmed",
+           "publish, `task.delay()`, RabbitMQ with `confirm_publish=True` (tasks/s; ratio: "
+           "pgjobs's default)", "{:,.0f}", True, mine="publish_single"),
     Figure("publish_batch", "publish, batch path (tasks/s)", "{:,.0f}", True),
     Figure("drain_threads", "drain, threads c=8 (tasks/s)", "{:,.0f}", True),
     Figure("drain_prefork", "drain, prefork c=2 (tasks/s)", "{:,.0f}", True),
@@ -55,13 +59,13 @@ def _values(runs: list[dict[str, Any]], key: str) -> list[float]:
 
 
 def ratios(results: dict[str, dict[str, Any]], key: str, other: str,
-           versus: str | None = None) -> list[float]:
+           versus: str | None = None, own: str | None = None) -> list[float]:
     """pgjobs/other per run index, only where both measured the figure in that run."""
     mine = results.get(REFERENCE, {}).get("runs", [])
     theirs = results.get(other, {}).get("runs", [])
     out = []
     for a, b in zip(mine, theirs, strict=False):  # a broker may have fewer runs
-        va, vb = a["figures"].get(key), b["figures"].get(versus or key)
+        va, vb = a["figures"].get(own or key), b["figures"].get(versus or key)
         if va is not None and vb:
             out.append(va / vb)
     return out
@@ -78,9 +82,9 @@ def build(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     for other in RATIO_AGAINST:
         if REFERENCE in results and other in results:
             summary["ratios"][f"{REFERENCE}/{other}"] = {
-                f.key: summarize(ratios(results, f.key, other, f.versus))
+                f.key: summarize(ratios(results, f.key, other, f.versus, f.mine))
                 for f in FIGURES
-                if f.ratio and ratios(results, f.key, other, f.versus)
+                if f.ratio and ratios(results, f.key, other, f.versus, f.mine)
             }
     return summary
 
