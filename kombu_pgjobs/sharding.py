@@ -31,21 +31,13 @@ from .consumer import ConsumerLoop
 from .core import Claimed
 from .errors import ConfigurationError, InvalidShardURL
 from .green import wait_readable
-from .shardmap import DEFAULT, ShardMap
+from .shardmap import DEFAULT, ShardMap, shard_label
 from .url import masked
-from .url import parse as parse_url
 
 if TYPE_CHECKING:
     from .transport import Channel, Transport
 
-__all__ = ["ShardedConsumer", "Shards", "shard_label"]
-
-
-def shard_label(url: str) -> str:
-    """How a shard is named to operators (metrics label, CLI column): ``host:port/db``."""
-    parts = parse_url(url)
-    hosts = ",".join(f"{h}:{p}" if p else h for h, p in parts.hosts)
-    return f"{hosts}/{parts.dbname}"
+__all__ = ["ShardedConsumer", "Shards"]
 
 
 class Shards:

@@ -31,7 +31,7 @@ from .errors import InvalidShardMap, InvalidShardPattern, InvalidShardURL, Inval
 from .url import masked
 from .url import parse as parse_url
 
-__all__ = ["DEFAULT", "ShardMap", "is_pinned", "parse"]
+__all__ = ["DEFAULT", "ShardMap", "is_pinned", "parse", "shard_label"]
 
 #: the name of the broker URL's database in tags, labels and the CLI's SHARD column
 DEFAULT = "default"
@@ -85,6 +85,14 @@ def _check_url(pattern: str, url: Any) -> str:
         raise InvalidShardURL(f"shard map: the URL of {pattern!r} ({masked(url)!r}) names no "
                               "database (pgjobs://user@host:port/database)")
     return url
+
+
+def shard_label(url: str) -> str:
+    """How a shard's database is named to operators (metrics label, the CLI's SHARD column):
+    ``host:port/database``, never the user or password."""
+    parts = parse_url(url)
+    hosts = ",".join(f"{h}:{p}" if p else h for h, p in parts.hosts)
+    return f"{hosts}/{parts.dbname}"
 
 
 @dataclass(frozen=True)

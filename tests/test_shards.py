@@ -1,0 +1,243 @@
+"""Shard map: queues spread over two databases (the test database and pgjobs_test_shard2).
+
+Each test runs in its own schema, on both databases. Counts are read back from the databases:
+the jobs left on each, and the executions the tasks recorded.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import kombu
+import psycopg
+import pytest
+
+from kombu_pgjobs import cli
+from kombu_pgjobs.errors import InvalidShardMap, InvalidShardPattern, InvalidShardURL
+from kombu_pgjobs.shardmap import parse
+
+from .conftest import DSN, SECOND_DATABASE, wait_for
+
+SECOND_DSN = psycopg.conninfo.make_conninfo(DSN, dbname=SECOND_DATABASE)
+
+
+def jobs(dsn: str, schema: str) -> list[tuple[str, str, int]]:
+    """(queue, state, claim) of every row of a database's job table."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        return [tuple(r) for r in conn.execute(  # type: ignore[misc]
+            f'SELECT queue, state::text, claim FROM "{schema}".pgjobs_job ORDER BY id')]
+
+
+def connection(url: str, schema: str, shards: Any, **options: Any) -> kombu.Connection:
+    return kombu.Connection(url, transport_options={"schema": schema, "shards": shards,
+                                                    **options})
+
+
+def drain(conn: kombu.Connection, queues: list[str], n: int, *,
+          ack: bool = True) -> list[Any]:
+    got: list[Any] = []
+    consumer = conn.Consumer([kombu.Queue(q, kombu.Exchange(q), routing_key=q)
+                              for q in queues],
+                             callbacks=[lambda body, m: got.append(m)])
+    with consumer:
+        deadline = time.monotonic() + 10
+        while len(got) < n and time.monotonic() < deadline:
+            try:
+                conn.drain_events(timeout=1)
+            except TimeoutError:
+                pass
+        if ack:
+            for m in got:
+                m.ack()
+    return got
+
+
+def publish(conn: kombu.Connection, queue: str, body: Any) -> None:
+    q = kombu.Queue(queue, kombu.Exchange(queue), routing_key=queue)
+    with conn.Producer() as producer:
+        producer.publish(body, exchange=q.exchange, routing_key=queue, declare=[q])
+
+
+# -- the map itself ---------------------------------------------------------------------------
+def test_resolution_order() -> None:
+    m = parse(json.dumps({"billing": "pgjobs://a@h/db2", "bill*": "pgjobs://a@h/db3",
+                          "b*": "pgjobs://a@h/db4", "*": "pgjobs://a@h/db1"}))
+    assert m is not None
+    assert m.urls == ("pgjobs://a@h/db2", "pgjobs://a@h/db3", "pgjobs://a@h/db4",
+                      "pgjobs://a@h/db1")
+    assert m.shard_of("billing") == 1        # exact name first
+    assert m.shard_of("billing2") == 2       # then the most specific glob
+    assert m.shard_of("bx") == 3
+    assert m.shard_of("other") == 4          # then "*"
+    assert m.shard_of("w1@host.celery.pidbox") == 0  # remote control: always the default
+    assert m.shard_of("celeryev.1234") == 0
+    assert parse({"billing": "pgjobs://a@h/db2"}).shard_of("other") == 0  # type: ignore[union-attr]
+    assert parse({}) is None and parse(None) is None
+
+
+@pytest.mark.parametrize(("shards", "error"), [
+    ("{not json", InvalidShardMap),
+    ([["billing", "pgjobs://a@h/db"]], InvalidShardMap),
+    ({"bill[ing]": "pgjobs://postgres@127.0.0.1/x"}, InvalidShardPattern),
+    ({"": "pgjobs://postgres@127.0.0.1/x"}, InvalidShardPattern),
+    ({"celeryev.*": "pgjobs://postgres@127.0.0.1/x"}, InvalidShardPattern),
+    ({"*.pidbox": "pgjobs://postgres@127.0.0.1/x"}, InvalidShardPattern),
+    ({"billing": "mysql://postgres@127.0.0.1/x"}, InvalidShardURL),
+    ({"billing": "pgjobs:///x"}, InvalidShardURL),
+    ({"billing": "pgjobs://postgres@127.0.0.1"}, InvalidShardURL),
+    ({"billing": "pgjobs://postgres@127.0.0.1:99999/x"}, InvalidShardURL),
+    ({"billing": 5432}, InvalidShardURL),
+])
+def test_bad_map_is_a_coded_error_at_connect(url: str, schema: str, shards: Any,
+                                             error: type[Exception]) -> None:
+    conn = connection(url, schema, shards)
+    with pytest.raises(error) as caught:
+        conn.connect()
+    assert caught.value.code == error.code  # type: ignore[attr-defined]
+    assert str(caught.value).startswith(f"[{error.code}]")  # type: ignore[attr-defined]
+
+
+# -- kombu ------------------------------------------------------------------------------------
+def test_routing_and_settles_go_to_each_database(url: str, schema: str,
+                                                 second_database: str) -> None:
+    shards = {"billing": second_database}
+    with connection(url, schema, shards) as conn:
+        publish(conn, "billing", {"n": 1})
+        publish(conn, "other", {"n": 2})
+        publish(conn, "w1@host.celery.pidbox", {"n": 3})
+        assert [r[0] for r in jobs(SECOND_DSN, schema)] == ["billing"]
+        assert sorted(r[0] for r in jobs(DSN, schema)) == ["other", "w1@host.celery.pidbox"]
+
+        got = drain(conn, ["billing", "other"], 2, ack=False)
+        tags = {m.payload["n"]: m.delivery_tag for m in got}
+        assert set(tags) == {1, 2}
+        assert tags[1].count(".") == 2 and tags[2].count(".") == 1  # id.claim.N vs id.claim
+        assert jobs(SECOND_DSN, schema) == [("billing", "running", 1)]
+        by_n = {m.payload["n"]: m for m in got}
+        by_n[1].requeue()  # fenced requeue on the second database
+        by_n[2].ack()
+        wait_for(lambda: ("other", "running", 1) not in jobs(DSN, schema), 5, what="ack")
+        assert jobs(SECOND_DSN, schema) == [("billing", "ready", 1)]
+
+        again = drain(conn, ["billing"], 1)
+        assert [m.payload for m in again] == [{"n": 1}]
+        assert again[0].delivery_info.get("redelivered") is True
+        wait_for(lambda: not jobs(SECOND_DSN, schema), 5, what="the ack on the second db")
+        assert [r[0] for r in jobs(DSN, schema)] == ["w1@host.celery.pidbox"]  # untouched
+
+
+def test_fanout_across_databases(url: str, schema: str, second_database: str) -> None:
+    """A fanout exchange bound to queues on both databases: one copy per queue, each on
+    its own database (per-queue publishes: not atomic across databases)."""
+    with connection(url, schema, {"billing": second_database}) as conn:
+        ex = kombu.Exchange("news", type="fanout")
+        queues = [kombu.Queue(q, ex) for q in ("billing", "other")]
+        with conn.Producer() as producer:
+            producer.publish({"x": 1}, exchange=ex, declare=queues)
+        assert [r[0] for r in jobs(SECOND_DSN, schema)] == ["billing"]
+        assert [r[0] for r in jobs(DSN, schema)] == ["other"]
+
+
+# -- real workers -----------------------------------------------------------------------------
+def _shard_env(second_database: str, **extra: str) -> dict[str, str]:
+    return {"PGJOBS_TEST_SHARDS": json.dumps({"billing": second_database}), **extra}
+
+
+def _runs(schema: str) -> list[str]:
+    with psycopg.connect(DSN, autocommit=True) as conn:
+        return [r[0] for r in conn.execute(
+            f'SELECT label FROM "{schema}".pgjobs_test_run ORDER BY label')]
+
+
+def _starts(schema: str) -> int:
+    with psycopg.connect(DSN, autocommit=True) as conn:
+        row = conn.execute(f'SELECT count(*) FROM "{schema}".pgjobs_test_start').fetchone()
+        return int(row[0]) if row else 0
+
+
+def test_worker_on_two_databases_runs_each_task_once(
+        url: str, recorder_tables: str, second_database: str, start_worker: Any) -> None:
+    from tests.conftest import import_app
+
+    schema = recorder_tables
+    env = _shard_env(second_database)
+    app = import_app("tests.apps.sharded", schema, url, **env)
+    start_worker(app="tests.apps.sharded", env=env, extra=["-Q", "billing,other"])
+    labels = [f"{q}-{i}" for q in ("billing", "other") for i in range(15)]
+    for label in labels:
+        app.record.apply_async((label,), queue=label.split("-")[0])
+    wait_for(lambda: len(_runs(schema)) >= len(labels), 20, what="every task to run")
+    time.sleep(0.3)  # a duplicate, if any, would land now
+    assert _runs(schema) == sorted(labels)  # each exactly once
+    wait_for(lambda: not jobs(SECOND_DSN, schema) and not [
+        r for r in jobs(DSN, schema) if r[0] in ("billing", "other")], 5,
+        what="every row acked on its database")
+
+
+def test_sigkilled_worker_messages_come_back_on_both_databases(
+        url: str, recorder_tables: str, second_database: str, start_worker: Any) -> None:
+    from tests.conftest import import_app
+
+    schema = recorder_tables
+    lease = 2.0
+    env = _shard_env(second_database, PGJOBS_TEST_LEASE_TTL=str(lease))
+    app = import_app("tests.apps.sharded", schema, url, **env)
+    w1 = start_worker(name="w1", app="tests.apps.sharded", env=env,
+                      extra=["-Q", "billing,other"])
+    labels = ["billing-0", "billing-1", "other-0", "other-1"]
+    for label in labels:
+        app.record.apply_async((label, 60.0), queue=label.split("-")[0])
+    wait_for(lambda: _starts(schema) >= 4, 15, what="w1 to start all four")
+    assert {r[1] for r in jobs(SECOND_DSN, schema)} == {"running"}
+    assert {r[1] for r in jobs(DSN, schema) if r[0] != "celery"} == {"running"}
+    w2 = start_worker(name="w2", app="tests.apps.sharded", env=env,
+                      extra=["-Q", "billing,other"])
+    w1.kill()
+    killed = time.monotonic()
+    wait_for(lambda: len(_runs(schema)) >= 4, lease + 8, what="w2 to finish w1's tasks")
+    took = time.monotonic() - killed
+    assert _runs(schema) == sorted(labels)
+    # back within one lease (plus the keeper's tick and a claim), on both databases
+    assert took < lease + lease / 3 + 3.0, took
+    wait_for(lambda: not jobs(SECOND_DSN, schema), 5, what="the second db drained")
+    assert w2.proc.poll() is None
+
+
+# -- CLI --------------------------------------------------------------------------------------
+def test_cli_shows_every_shard(url: str, schema: str, second_database: str,
+                               capsys: Any, tmp_path: Any, monkeypatch: Any) -> None:
+    shards = json.dumps({"billing": second_database})
+    with connection(url, schema, {"billing": second_database}) as conn:
+        publish(conn, "billing", {"n": 1})
+        publish(conn, "other", {"n": 2})
+    label = f"127.0.0.1:5432/{SECOND_DATABASE}"
+
+    assert cli.main(["queues", "--dsn", url, "--schema", schema, "--shards", shards,
+                     "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["queues"]
+    assert {(r["shard"], r["queue"], r["ready"]) for r in rows} >= {
+        (label, "billing", 1), ("default", "other", 1)}
+
+    (tmp_path / "shards.json").write_text(shards)
+    monkeypatch.setenv("PGJOBS_SHARDS", f"@{tmp_path / 'shards.json'}")
+    assert cli.main(["queues", "--dsn", url, "--schema", schema]) == 0
+    text = capsys.readouterr().out
+    assert text.splitlines()[0].startswith("SHARD")
+    assert any(line.startswith(label) and "billing" in line for line in text.splitlines())
+
+    assert cli.main(["metrics", "--dsn", url, "--schema", schema]) == 0
+    metrics = capsys.readouterr().out
+    assert f'pgjobs_messages{{shard="{label}",queue="billing",state="ready"}} 1' in metrics
+    assert 'pgjobs_up{shard="default"} 1' in metrics
+
+    for command in (["migrate"], ["workers"], ["limits"]):
+        assert cli.main([*command, "--dsn", url, "--schema", schema, "--json"]) == 0
+        assert capsys.readouterr().out
+    assert cli.main(["migrate", "--dsn", url, "--schema", schema]) == 0
+    assert f"{label}: schema {schema}: up to date" in capsys.readouterr().out
+
+    monkeypatch.setenv("PGJOBS_SHARDS", '{"bill[": "pgjobs://postgres@127.0.0.1/x"}')
+    assert cli.main(["queues", "--dsn", url, "--schema", schema]) == 2
+    assert "PGJ-231" in capsys.readouterr().err
