@@ -157,18 +157,29 @@ def _starts(schema: str) -> int:
         return int(row[0]) if row else 0
 
 
+@pytest.mark.parametrize(("pool", "event_loop"), [
+    ("threads", "1"), ("prefork", "1"), ("threads", "0")])
 def test_worker_on_two_databases_runs_each_task_once(
-        url: str, recorder_tables: str, second_database: str, start_worker: Any) -> None:
+        url: str, recorder_tables: str, second_database: str, start_worker: Any,
+        pool: str, event_loop: str) -> None:
+    """In Celery's event loop (each database's consumer loop registers its own readers and
+    timers with the Hub), and in its synchronous loop (``drain_events`` waits on every
+    database's descriptors at once)."""
     from tests.conftest import import_app
 
     schema = recorder_tables
-    env = _shard_env(second_database)
+    env = _shard_env(second_database, PGJOBS_TEST_EVENT_LOOP=event_loop)
     app = import_app("tests.apps.sharded", schema, url, **env)
-    start_worker(app="tests.apps.sharded", env=env, extra=["-Q", "billing,other"])
+    start_worker(app="tests.apps.sharded", env=env, pool=pool, concurrency=2,
+                 extra=["-Q", "billing,other"])
+    app.record.apply_async(("other-w",), queue="other")
+    wait_for(lambda: _runs(schema) == ["other-w"], 10, what="the first task")
+    time.sleep(0.5)  # both databases' loops idle: woken by a publish, or by nothing
     labels = [f"{q}-{i}" for q in ("billing", "other") for i in range(15)]
     for label in labels:
         app.record.apply_async((label,), queue=label.split("-")[0])
-    wait_for(lambda: len(_runs(schema)) >= len(labels), 20, what="every task to run")
+    labels.append("other-w")
+    wait_for(lambda: len(_runs(schema)) >= len(labels), 10, what="every task to run")
     time.sleep(0.3)  # a duplicate, if any, would land now
     assert _runs(schema) == sorted(labels)  # each exactly once
     wait_for(lambda: not jobs(SECOND_DSN, schema) and not [
@@ -241,3 +252,30 @@ def test_cli_shows_every_shard(url: str, schema: str, second_database: str,
     monkeypatch.setenv("PGJOBS_SHARDS", '{"bill[": "pgjobs://postgres@127.0.0.1/x"}')
     assert cli.main(["queues", "--dsn", url, "--schema", schema]) == 2
     assert "PGJ-231" in capsys.readouterr().err
+
+
+def test_idle_consumer_wakes_for_a_publish_on_either_database(
+        url: str, schema: str, second_database: str) -> None:
+    """``drain_events`` waits on every database's LISTEN socket: a publish on the second
+    database wakes an idle consumer at once, not at its next safety poll."""
+    import threading
+
+    with connection(url, schema, {"billing": second_database}) as conn, \
+            connection(url, schema, {"billing": second_database}) as publisher:
+        got: list[Any] = []
+        queues = [kombu.Queue(q, kombu.Exchange(q), routing_key=q) for q in ("billing", "other")]
+        with conn.Consumer(queues, callbacks=[lambda body, m: (got.append(body), m.ack())]):
+            for _ in range(3):  # both databases' loops register and go idle
+                try:
+                    conn.drain_events(timeout=0.3)
+                except TimeoutError:
+                    pass
+            for queue in ("billing", "other"):
+                timer = threading.Timer(0.2, publish, (publisher, queue, {"q": queue}))
+                timer.start()
+                started = time.monotonic()
+                conn.drain_events(timeout=10)
+                took = time.monotonic() - started
+                timer.join()
+                assert got[-1] == {"q": queue}
+                assert took < 1.5, (queue, took)

@@ -19,6 +19,8 @@ app = Celery("sharded", broker=common.broker())
 app.conf.update(settings(task_acks_late=True))
 app.conf.broker_transport_options["shards"] = json.loads(
     os.environ.get("PGJOBS_TEST_SHARDS", "{}"))
+app.conf.broker_transport_options["event_loop"] = \
+    os.environ.get("PGJOBS_TEST_EVENT_LOOP", "1") == "1"
 
 
 @app.task(name="record")
