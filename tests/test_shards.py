@@ -210,10 +210,34 @@ def test_sigkilled_worker_messages_come_back_on_both_databases(
     wait_for(lambda: len(_runs(schema)) >= 4, lease + 8, what="w2 to finish w1's tasks")
     took = time.monotonic() - killed
     assert _runs(schema) == sorted(labels)
+    assert _starts(schema) == 8  # each started by w1, then again by w2
     # back within one lease (plus the keeper's tick and a claim), on both databases
     assert took < lease + lease / 3 + 3.0, took
     wait_for(lambda: not jobs(SECOND_DSN, schema), 5, what="the second db drained")
     assert w2.proc.poll() is None
+
+
+def _dead(dsn: str, schema: str) -> list[tuple[str, str]]:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        return [(r[0], r[1]) for r in conn.execute(
+            f'SELECT queue, reason FROM "{schema}".pgjobs_dead_letter ORDER BY queue')]
+
+
+def test_failed_task_dead_letter_on_its_own_database(
+        url: str, recorder_tables: str, second_database: str, start_worker: Any) -> None:
+    """celery_ext records a failed task's dead letter on the database its message came from."""
+    from tests.conftest import import_app
+
+    schema = recorder_tables
+    env = _shard_env(second_database, PGJOBS_TEST_CELERY_EXT="1")
+    app = import_app("tests.apps.sharded", schema, url, **env)
+    start_worker(app="tests.apps.sharded", env=env, extra=["-Q", "billing,other"])
+    app.fail.apply_async(("b",), queue="billing")
+    app.fail.apply_async(("o",), queue="other")
+    wait_for(lambda: _dead(SECOND_DSN, schema) and _dead(DSN, schema), 15,
+             what="a dead letter on each database")
+    assert _dead(SECOND_DSN, schema) == [("billing", "failed")]
+    assert _dead(DSN, schema) == [("other", "failed")]
 
 
 # -- CLI --------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
-"""A plain Celery app whose broker spreads queues over two databases (a shard map from
+"""A Celery app whose broker spreads queues over two databases (a shard map from
 ``PGJOBS_TEST_SHARDS``, JSON). Tasks record what they did in the test database's schema, so
-tests count executions from the database. Imports neither kombu_pgjobs nor celery_ext."""
+tests count executions from the database. Imports neither kombu_pgjobs nor (unless
+``PGJOBS_TEST_CELERY_EXT=1``) celery_ext."""
 
 from __future__ import annotations
 
@@ -16,6 +17,10 @@ from tests.apps.common import execute, settings
 SCHEMA = common.schema()
 
 app = Celery("sharded", broker=common.broker())
+if os.environ.get("PGJOBS_TEST_CELERY_EXT") == "1":
+    import celery_ext
+
+    celery_ext.install(app)
 app.conf.update(settings(task_acks_late=True))
 app.conf.broker_transport_options["shards"] = json.loads(
     os.environ.get("PGJOBS_TEST_SHARDS", "{}"))
@@ -37,3 +42,8 @@ def record(label: str, seconds: float = 0.0) -> None:
     execute(f'INSERT INTO "{SCHEMA}".pgjobs_test_run (label, pid, started, finished) '
             "VALUES (%s, %s, to_timestamp(%s), clock_timestamp())",
             (label, os.getpid(), started))
+
+
+@app.task(name="fail")
+def fail(label: str) -> None:
+    raise ValueError(f"boom {label}")
