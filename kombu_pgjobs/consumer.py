@@ -140,7 +140,7 @@ class ConsumerLoop:
 
     @property
     def backend(self) -> Backend:
-        return self._backend or self.transport.backend
+        return self._backend if self._backend is not None else self.transport.backend
 
     def consumed(self) -> Collection[str]:
         """The queues this loop consumes: the transport's, or (a shard's loop) those of them

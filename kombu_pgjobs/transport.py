@@ -278,6 +278,8 @@ class Channel(virtual.Channel):
     def _delete(self, queue: str, *args: Any, **kwargs: Any) -> None:
         backend = self.backend_of(queue)
         backend.publishing(lambda c: backend.core.delete_queue(c, queue))
+        if backend is not self.backend:  # its bindings are on the default database
+            self.backend.publishing(lambda c: self.backend.core.delete_queue(c, queue))
 
     def queue_delete(self, queue: str, if_unused: bool = False, if_empty: bool = False,
                      **kwargs: Any) -> None:

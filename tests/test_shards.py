@@ -223,9 +223,10 @@ def _dead(dsn: str, schema: str) -> list[tuple[str, str]]:
             f'SELECT queue, reason FROM "{schema}".pgjobs_dead_letter ORDER BY queue')]
 
 
-def test_failed_task_dead_letter_on_its_own_database(
+def test_celery_ext_dead_letters_and_remote_control(
         url: str, recorder_tables: str, second_database: str, start_worker: Any) -> None:
-    """celery_ext records a failed task's dead letter on the database its message came from."""
+    """celery_ext records a failed task's dead letter on the database its message came from;
+    remote control works and ``inspect scheduled`` reads every database."""
     from tests.conftest import import_app
 
     schema = recorder_tables
@@ -238,6 +239,16 @@ def test_failed_task_dead_letter_on_its_own_database(
              what="a dead letter on each database")
     assert _dead(SECOND_DSN, schema) == [("billing", "failed")]
     assert _dead(DSN, schema) == [("other", "failed")]
+
+    # remote control stays on the default database and works; `inspect scheduled` lists
+    # the ETA messages of both databases
+    later = {q: app.record.apply_async((f"later-{q}",), queue=q, countdown=600)
+             for q in ("billing", "other")}
+    assert {r[0] for r in jobs(SECOND_DSN, schema)} == {"billing"}
+    replies = app.app.control.inspect(timeout=10.0, limit=1).scheduled()
+    assert replies, "the worker answered over the default database's pidbox"
+    (entries,) = replies.values()
+    assert {e["request"]["id"] for e in entries} == {r.id for r in later.values()}
 
 
 # -- CLI --------------------------------------------------------------------------------------
@@ -303,3 +314,19 @@ def test_idle_consumer_wakes_for_a_publish_on_either_database(
                 timer.join()
                 assert got[-1] == {"q": queue}
                 assert took < 1.5, (queue, took)
+
+
+def test_queue_delete_removes_its_bindings_from_the_default_database(
+        url: str, schema: str, second_database: str) -> None:
+    with connection(url, schema, {"billing": second_database}) as conn:
+        publish(conn, "billing", {"n": 1})
+        with psycopg.connect(DSN, autocommit=True) as db:
+            def bound() -> list[str]:
+                return [r[0] for r in db.execute(
+                    f'SELECT queue FROM "{schema}".pgjobs_binding ORDER BY queue')]
+            assert bound() == ["billing"]  # bindings live on the default database
+            channel = conn.default_channel
+            assert channel.queue_declare("billing", passive=True).message_count == 1
+            channel.queue_delete("billing")
+            assert bound() == []
+        assert jobs(SECOND_DSN, schema) == []
