@@ -286,6 +286,8 @@ class ConsumerLoop:
         the socket unreadable: :meth:`pump` claims again at once instead of waiting for it."""
         if self.waits.waiter is not None and channel == self.waits.channel:
             self.waits.woken(queue, self.consumed())
+        if self.owns is not None and not self.owns(queue):
+            return  # a shard's loop claims only the queues the map gives its database
         self.dirty.add(queue)
         self.woken = True
 
