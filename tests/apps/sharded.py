@@ -28,7 +28,7 @@ app.conf.broker_transport_options["event_loop"] = \
     os.environ.get("PGJOBS_TEST_EVENT_LOOP", "1") == "1"
 
 
-@app.task(name="record")
+@app.task(name="sharded.record", shared=False)
 def record(label: str, seconds: float = 0.0) -> None:
     """Sleeps ``seconds`` on its first start only (a redelivered one runs at once)."""
     started = time.time()
@@ -44,6 +44,6 @@ def record(label: str, seconds: float = 0.0) -> None:
             (label, os.getpid(), started))
 
 
-@app.task(name="fail")
+@app.task(name="sharded.fail", shared=False)
 def fail(label: str) -> None:
     raise ValueError(f"boom {label}")
