@@ -330,3 +330,43 @@ def test_queue_delete_removes_its_bindings_from_the_default_database(
             channel.queue_delete("billing")
             assert bound() == []
         assert jobs(SECOND_DSN, schema) == []
+
+
+def test_a_shards_claim_connection_reconnects_on_its_own(
+        url: str, schema: str, second_database: str) -> None:
+    """A terminated claim connection on the second database is that loop's ``broken``
+    transition: it reconnects by itself; the default database's loop is untouched."""
+    with connection(url, schema, {"billing": second_database}) as conn:
+        publish(conn, "billing", {"n": 1})
+        publish(conn, "other", {"n": 2})
+        assert len(drain(conn, ["billing", "other"], 2)) == 2
+        loops = conn.transport.consumer.loops
+        default_conn, shard_conn = loops[0].conn, loops[1].conn
+        assert shard_conn is not None and default_conn is not None
+        with psycopg.connect(SECOND_DSN, autocommit=True) as admin:
+            admin.execute("SELECT pg_terminate_backend(%s)", (shard_conn.info.backend_pid,))
+        publish(conn, "billing", {"n": 3})
+        got = drain(conn, ["billing", "other"], 1)
+        assert [m.payload for m in got] == [{"n": 3}]
+        assert loops[1].conn is not shard_conn  # a new claim connection
+        assert loops[0].conn is default_conn
+        wait_for(lambda: not jobs(SECOND_DSN, schema), 5, what="the ack on the second db")
+
+
+def test_metrics_server_reports_a_database_it_cannot_read(url: str, schema: str,
+                                                          second_database: str) -> None:
+    from kombu_pgjobs.metrics import MetricsSource, ShardedMetrics
+
+    with connection(url, schema, {"billing": second_database}) as conn:
+        publish(conn, "billing", {"n": 1})
+    source = ShardedMetrics([
+        ("db2", MetricsSource(SECOND_DSN, schema)),
+        ("gone", MetricsSource(psycopg.conninfo.make_conninfo(
+            DSN, dbname="pgjobs_test_shard_absent", connect_timeout=2), schema))])
+    try:
+        text = source.text()
+    finally:
+        source.close()
+    assert 'pgjobs_up{shard="db2"} 1' in text
+    assert 'pgjobs_up{shard="gone"} 0' in text
+    assert 'pgjobs_messages{shard="db2",queue="billing",state="ready"} 1' in text
