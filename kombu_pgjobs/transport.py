@@ -35,6 +35,10 @@ the claim connection's states on faults) is :mod:`kombu_pgjobs.consumer`, every 
 * An ack is buffered (thread-safe, non-blocking) and flushed within ``ack_flush_interval`` by
   the consumer thread, or folded into the next claim. A crash before the flush re-delivers the
   message after its lease lapses; nothing acked-and-flushed is ever re-delivered.
+* With a ``shards`` map (docs/sharding.md) each queue is published, claimed and settled on its
+  own database (:mod:`kombu_pgjobs.sharding`: one backend and one consumer loop per database;
+  delivery tags ``id.claim.N`` name it); remote control, events and bindings stay on the
+  broker URL's database. Without one, nothing here looks further than ``self.backend``.
 """
 
 from __future__ import annotations
