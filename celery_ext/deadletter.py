@@ -27,7 +27,7 @@ from kombu.serialization import dumps
 from kombu_pgjobs.admin import record_dead_letter
 from kombu_pgjobs.backend import Backend
 from kombu_pgjobs.transport import Transport as PgJobsTransport
-from kombu_pgjobs.transport import parse_tag
+from kombu_pgjobs.transport import parse_shard_tag
 
 from .retry import rule_of
 from .state import installed
@@ -41,19 +41,29 @@ _HEADERS = ("lang", "task", "id", "shadow", "eta", "expires", "group", "group_in
             "retries", "timelimit", "root_id", "parent_id", "argsrepr", "kwargsrepr", "origin",
             "ignore_result", "replaced_task_nesting", "stamped_headers", "stamps")
 _MAX_TEXT = 64 * 1024
-_backends: dict[int, tuple[int, Backend | None]] = {}
+_backends: dict[int, tuple[int, list[Backend]]] = {}
 
 
-def _backend(app: Any) -> Backend | None:
-    """This process's pgjobs backend for the app's broker (None when it is not pgjobs)."""
+def _all_backends(app: Any) -> list[Backend]:
+    """This process's pgjobs backends for the app's broker, one per database of its shard map
+    (index = the shard number in delivery tags; [] when the broker is not pgjobs)."""
     hit = _backends.get(id(app))
     if hit is not None and hit[0] == os.getpid():
         return hit[1]
     with app.pool.acquire(block=True, timeout=10) as conn:
         transport = conn.transport
-        backend = transport.backend if isinstance(transport, PgJobsTransport) else None
-    _backends[id(app)] = (os.getpid(), backend)
-    return backend
+        backends: list[Backend] = []
+        if isinstance(transport, PgJobsTransport):
+            shards = transport.shards
+            backends = list(shards.backends) if shards is not None else [transport.backend]
+    _backends[id(app)] = (os.getpid(), backends)
+    return backends
+
+
+def _backend(app: Any, shard: int = 0) -> Backend | None:
+    """The backend of database ``shard`` (0: the broker URL's); None when not pgjobs."""
+    backends = _all_backends(app)
+    return backends[shard] if 0 <= shard < len(backends) else None
 
 
 def _transport_buries(task: Any, exc: BaseException) -> bool:
@@ -151,11 +161,13 @@ def on_task_failure(sender: Any = None, exception: BaseException | None = None,
     if _transport_buries(task, exception):
         return
     try:
-        backend = _backend(app)
+        props = request.properties or {}
+        found = parse_shard_tag(props.get("delivery_tag"))
+        # on the message's own database (a shard map's): its row, its dead letters
+        backend = _backend(app, found[2] if found else 0)
         if backend is None:
             return
-        props = request.properties or {}
-        pair = parse_tag(props.get("delivery_tag"))
+        pair = found[:2] if found else None
         info = request.delivery_info or {}
         queue = info.get("routing_key") or task.queue or app.conf.task_default_queue
         error = _error(task, request, exception, einfo)
@@ -189,8 +201,9 @@ def on_task_rejected(sender: Any = None, task_id: str | None = None,
     if app is None or not installed(app):
         return
     try:
-        backend = _backend(app)
-        if backend is not None:
+        # the reject settles on the message's database, which is not known here: each
+        # database's backend keeps the reason (bounded; an unused one goes with the oldest)
+        for backend in _all_backends(app):
             backend.note_reject_reason(task_id, storable(str(exception.reason)))
     except Exception:
         log.exception("celery_ext.dead_letter.reason_lost id=%s", task_id,

@@ -64,11 +64,20 @@ def scheduled(state: Any, **kwargs: Any) -> list[dict[str, Any]]:
     queues = _queues(consumer)
     if not isinstance(transport, PgJobsTransport) or not queues:
         return held
-    backend = transport.backend
-    rows = backend.publishing(lambda c: c.execute(backend.core.q["scheduled_list"], {
-        "queues": queues, "limit": LIMIT}).fetchall())
+    # each database of a shard map lists its own queues' ETA rows
+    shards = transport.shards
+    by_backend: dict[int, tuple[Any, list[str]]] = {}
+    for queue in queues:
+        backend = transport.backend if shards is None else shards.backend_of(queue)
+        by_backend.setdefault(id(backend), (backend, []))[1].append(queue)
+    rows: list[Any] = []
+    for backend, names in by_backend.values():
+        rows += backend.publishing(lambda c, b=backend, n=names: c.execute(
+            b.core.q["scheduled_list"], {"queues": n, "limit": LIMIT}).fetchall())
+    if len(by_backend) > 1:
+        rows.sort(key=lambda r: r[3])  # soonest first across databases
     return [_entry(queue, priority, run_at, headers, info)
-            for _, queue, priority, run_at, headers, info in rows] + held
+            for _, queue, priority, run_at, headers, info in rows[:LIMIT]] + held
 
 
 def install_scheduled() -> None:

@@ -31,9 +31,19 @@ import psycopg
 from .admin import DEFAULT_BATCH, DEFAULT_BULK_LIMIT, DEFAULT_PAGE, MAX_LEASES, STATES, Admin
 from .bulk import add_commands as add_bulk_commands
 from .database import connect, conninfo_from_url
-from .errors import ConfigurationError, InvalidArgument, PgJobsError, UsageError
+from .errors import (
+    ConfigurationError,
+    InvalidArgument,
+    InvalidShardMap,
+    PgJobsError,
+    UsageError,
+)
 from .options import TransportOptions
 from .schema import current_version, latest_version, migrate
+from .shardmap import DEFAULT as SHARD_DEFAULT
+from .shardmap import ShardMap, shard_label
+from .shardmap import parse as parse_shard_map
+from .url import parse as parse_url
 
 __all__ = ["build_parser", "main"]
 
@@ -151,12 +161,61 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{message} (usage: {' '.join(self.format_usage().split()[1:])})")
 
 
-def _dsn(args: argparse.Namespace) -> str:
+def _url(args: argparse.Namespace) -> str:
     url = args.dsn or next((os.environ[v] for v in DSN_ENV if os.environ.get(v)), None)
     if not url:
         raise ConfigurationError(
             "no database given: pass --dsn pgjobs://user@host/db or set PGJOBS_DSN")
-    return conninfo_from_url(url, TransportOptions(schema=args.schema))
+    return str(url)
+
+
+def _dsn(args: argparse.Namespace) -> str:
+    shard_dsn = getattr(args, "shard_dsn", None)  # one database of a shard map (_each_shard)
+    if shard_dsn is not None:
+        return str(shard_dsn)
+    return conninfo_from_url(_url(args), TransportOptions(schema=args.schema))
+
+
+def _shard_map(args: argparse.Namespace) -> ShardMap | None:
+    """``--shards JSON|@file`` or ``$PGJOBS_SHARDS`` (the transport's ``shards`` option)."""
+    raw = getattr(args, "shards", None) or os.environ.get("PGJOBS_SHARDS") or None
+    if raw is not None and raw.startswith("@"):
+        try:
+            with open(raw[1:], encoding="utf-8") as fh:
+                raw = fh.read()
+        except OSError as exc:
+            raise InvalidShardMap(f"cannot read the shard map {raw[1:]!r}: "
+                                  f"{exc.strerror or exc}") from None
+    return parse_shard_map(raw)
+
+
+def _each_shard(args: argparse.Namespace) -> Iterator[tuple[str | None, argparse.Namespace]]:
+    """``(None, args)`` without a shard map; else ``(shard, args for its database)`` for the
+    default database and each database of the map (the map's URLs take the DSN's user and
+    password where they give none, as the transport does)."""
+    shardmap = _shard_map(args)
+    if shardmap is None:
+        yield None, args
+        return
+    options = TransportOptions(schema=args.schema)
+    url = _url(args)
+    default = conninfo_from_url(url, options)
+    base = parse_url(url)
+    seen = {default}
+    targets = [(SHARD_DEFAULT, default)]
+    for shard_url in shardmap.urls:
+        conninfo = conninfo_from_url(shard_url, options, user=base.user, password=base.password)
+        if conninfo not in seen:
+            seen.add(conninfo)
+            targets.append((shard_label(shard_url), conninfo))
+    for name, conninfo in targets:
+        yield name, argparse.Namespace(**{**vars(args), "shard_dsn": conninfo})
+
+
+def _shard_column(rows: list[dict[str, Any]],
+                  columns: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """A SHARD column first when the rows came from a shard map's databases."""
+    return [("SHARD", "shard"), *columns] if any("shard" in r for r in rows) else columns
 
 
 @contextmanager
@@ -219,14 +278,22 @@ def _pretty(value: Any) -> str:
 # -- commands ------------------------------------------------------------------------------
 def cmd_migrate(args: argparse.Namespace) -> dict[str, Any]:
     """Install or upgrade the schema (idempotent; safe to run from many hosts at once)."""
-    with connect(_dsn(args)) as conn:
-        before = current_version(conn, args.schema)
-        applied = migrate(conn, args.schema)
-        return {"schema": args.schema, "from_version": before,
-                "to_version": latest_version(), "applied": applied}
+    results = []
+    for shard, one in _each_shard(args):
+        with connect(_dsn(one)) as conn:
+            before = current_version(conn, args.schema)
+            applied = migrate(conn, args.schema)
+            result = {"schema": args.schema, "from_version": before,
+                      "to_version": latest_version(), "applied": applied}
+        if shard is None:
+            return result
+        results.append({"shard": shard, **result})
+    return {"schema": args.schema, "shards": results}
 
 
 def _render_migrate(result: dict[str, Any]) -> str:
+    if "shards" in result:
+        return "\n".join(f"{r['shard']}: {_render_migrate(r)}" for r in result["shards"])
     if result["applied"]:
         return (f"schema {result['schema']}: migrated {result['from_version']} -> "
                 f"{result['to_version']} (applied {', '.join(map(str, result['applied']))})")
@@ -235,8 +302,12 @@ def _render_migrate(result: dict[str, Any]) -> str:
 
 def cmd_queues(args: argparse.Namespace) -> dict[str, Any]:
     """Per queue: ready, delayed, running, waiting, dead, paused, oldest ready age, throughput."""
-    with _admin(args) as admin:
-        return {"minutes": args.minutes, "queues": admin.queues(args.queue, minutes=args.minutes)}
+    queues = []
+    for shard, one in _each_shard(args):
+        with _admin(one) as admin:
+            rows = admin.queues(args.queue, minutes=args.minutes)
+        queues += rows if shard is None else [{"shard": shard, **q} for q in rows]
+    return {"minutes": args.minutes, "queues": queues}
 
 
 def _render_queues(result: dict[str, Any]) -> str:
@@ -246,11 +317,12 @@ def _render_queues(result: dict[str, Any]) -> str:
                      "settled": " ".join(f"{k}={v}" for k, v in sorted(q["settled"].items()))})
     if not rows:
         return "no queues"
-    return _table(rows, [("QUEUE", "queue"), ("READY", "ready"), ("DELAYED", "delayed"),
-                         ("RUNNING", "running"), ("WAITING", "waiting"), ("DEAD", "dead"),
-                         ("PAUSED", "paused"),
-                         ("OLDEST READY", "oldest"), ("ACKED/MIN", "acked_per_minute"),
-                         (f"SETTLED (last {result['minutes']}m)", "settled")])
+    return _table(rows, _shard_column(rows, [
+        ("QUEUE", "queue"), ("READY", "ready"), ("DELAYED", "delayed"),
+        ("RUNNING", "running"), ("WAITING", "waiting"), ("DEAD", "dead"),
+        ("PAUSED", "paused"),
+        ("OLDEST READY", "oldest"), ("ACKED/MIN", "acked_per_minute"),
+        (f"SETTLED (last {result['minutes']}m)", "settled")]))
 
 
 def _states(values: list[str] | None) -> list[str] | None:
@@ -458,8 +530,18 @@ def _render_pause(r: dict[str, Any]) -> str:
 
 def cmd_limits(args: argparse.Namespace) -> dict[str, Any]:
     """Concurrency keys: slots held, cap, holders, messages waiting; and rate windows."""
-    with _admin(args) as admin:
-        return admin.limits(prefix=args.key, limit=args.limit)
+    merged: dict[str, Any] = {}
+    for shard, one in _each_shard(args):
+        with _admin(one) as admin:
+            result = admin.limits(prefix=args.key, limit=args.limit)
+        if shard is None:
+            return result
+        for part, rows in result.items():
+            if isinstance(rows, list):
+                merged.setdefault(part, []).extend({"shard": shard, **r} for r in rows)
+            else:
+                merged.setdefault(part, rows)
+    return merged
 
 
 def _render_limits(result: dict[str, Any]) -> str:
@@ -470,20 +552,24 @@ def _render_limits(result: dict[str, Any]) -> str:
         rows = [{**k, "holders": " ".join(map(str, k["holders"][:8])) +
                  (" ..." if len(k["holders"]) > 8 else ""),
                  "oldest": _age(k["oldest_waiting_age"])} for k in result["keys"]]
-        parts.append(_table(rows, [("KEY", "key"), ("HELD", "held"), ("CAP", "cap"),
-                                   ("WAITING", "waiting"), ("OLDEST WAITING", "oldest"),
-                                   ("HELD BY", "holders")]))
+        parts.append(_table(rows, _shard_column(rows, [
+            ("KEY", "key"), ("HELD", "held"), ("CAP", "cap"), ("WAITING", "waiting"),
+            ("OLDEST WAITING", "oldest"), ("HELD BY", "holders")])))
     if result["rates"]:
-        parts.append(_table([{**r, "window": _ts(r["window_start"])} for r in result["rates"]],
-                            [("RATE KEY", "key"), ("WINDOW START", "window"),
-                             ("STARTS", "starts")]))
+        rates = [{**r, "window": _ts(r["window_start"])} for r in result["rates"]]
+        parts.append(_table(rates, _shard_column(rates, [
+            ("RATE KEY", "key"), ("WINDOW START", "window"), ("STARTS", "starts")])))
     return "\n\n".join(parts)
 
 
 def cmd_workers(args: argparse.Namespace) -> dict[str, Any]:
     """Live consumers, the leases they hold, and processes gone with leases still held."""
-    with _admin(args) as admin:
-        return {"workers": admin.workers(leases=args.leases)}
+    workers = []
+    for shard, one in _each_shard(args):
+        with _admin(one) as admin:
+            rows = admin.workers(leases=args.leases)
+        workers += rows if shard is None else [{"shard": shard, **w} for w in rows]
+    return {"workers": workers}
 
 
 def _render_workers(result: dict[str, Any]) -> str:
@@ -494,26 +580,31 @@ def _render_workers(result: dict[str, Any]) -> str:
         w["seen"] = _age(w["last_seen_age"]) + " ago" if w["last_seen_age"] is not None \
             else "gone"
         w["expiry"] = _age(w["next_expiry"])
-    text = _table(rows, [("WORKER", "worker"), ("ALIVE", "alive"), ("QUEUES", "queues"),
-                         ("RUNNING", "running"), ("NEXT LEASE END", "expiry"),
-                         ("LAST SEEN", "seen")])
-    held = [(w["worker"], lease) for w in rows for lease in w["leases"]]
+    text = _table(rows, _shard_column(rows, [
+        ("WORKER", "worker"), ("ALIVE", "alive"), ("QUEUES", "queues"),
+        ("RUNNING", "running"), ("NEXT LEASE END", "expiry"), ("LAST SEEN", "seen")]))
+    held = [({"shard": w["shard"]} if "shard" in w else {}, w["worker"], lease)
+            for w in rows for lease in w["leases"]]
     if held:
-        text += "\n\n" + _table(
-            [{"worker": who, **lease, "ends": _age(lease["lease_remaining"])}
-             for who, lease in held],
-            [("WORKER", "worker"), ("ID", "id"), ("QUEUE", "queue"), ("TASK", "task"),
-             ("ATTEMPTS", "attempts"), ("LEASE ENDS IN", "ends"), ("CANCELLED", "cancelled")])
+        leases = [{**where, "worker": who, **lease, "ends": _age(lease["lease_remaining"])}
+                  for where, who, lease in held]
+        text += "\n\n" + _table(leases, _shard_column(leases, [
+            ("WORKER", "worker"), ("ID", "id"), ("QUEUE", "queue"), ("TASK", "task"),
+            ("ATTEMPTS", "attempts"), ("LEASE ENDS IN", "ends"), ("CANCELLED", "cancelled")]))
     return text
 
 
 def cmd_metrics(args: argparse.Namespace) -> Any:
     """Prometheus metrics (text exposition); --serve PORT serves them over HTTP."""
-    from .metrics import MetricsSource, collect, make_server, render
+    from .metrics import MetricsSource, ShardedMetrics, collect, make_server, merge, render
 
+    shards = list(_each_shard(args))
     if args.serve is None:
-        with _admin(args) as admin:
-            metrics = collect(admin, tenants=args.tenants)
+        per_shard = []
+        for shard, one in shards:
+            with _admin(one) as admin:
+                per_shard.append((shard, collect(admin, tenants=args.tenants)))
+        metrics = per_shard[0][1] if per_shard[0][0] is None else merge(per_shard)
         if args.json:
             return {"metrics": [{"name": m.name, "type": m.kind, "help": m.help,
                                  "samples": [{"labels": lb, "value": v} for lb, v in m.samples]}
@@ -521,7 +612,11 @@ def cmd_metrics(args: argparse.Namespace) -> Any:
         return render(metrics)
     if not 0 <= args.serve <= 65535:
         raise InvalidArgument(f"--serve port {args.serve} is out of range 0-65535")
-    source = MetricsSource(_dsn(args), args.schema, tenants=args.tenants)
+    source: MetricsSource | ShardedMetrics = \
+        MetricsSource(_dsn(args), args.schema, tenants=args.tenants) \
+        if shards[0][0] is None else ShardedMetrics(
+            [(str(shard), MetricsSource(_dsn(one), args.schema, tenants=args.tenants))
+             for shard, one in shards])
     source.metrics()  # fail now, with the error's code, rather than on the first scrape
     try:
         server = make_server(source.text, args.serve, args.bind)
@@ -601,6 +696,12 @@ def _global_args(p: argparse.ArgumentParser) -> None:
                    help="machine-readable output, errors included")
 
 
+def _shards_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--shards", metavar="JSON|@FILE",
+                   help="shard map (the transport's shards option): every database it names "
+                        "is shown too (default: $PGJOBS_SHARDS)")
+
+
 def _resolve(args: argparse.Namespace) -> argparse.Namespace:
     args.dsn = getattr(args, "dsn", None)
     args.schema = getattr(args, "schema", None) or os.environ.get("PGJOBS_SCHEMA", "pgjobs")
@@ -615,9 +716,11 @@ def build_parser() -> argparse.ArgumentParser:
     _global_args(common)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    _add(sub, "migrate", cmd_migrate, _render_migrate, common)
+    p = _add(sub, "migrate", cmd_migrate, _render_migrate, common)
+    _shards_arg(p)
 
     p = _add(sub, "queues", cmd_queues, _render_queues, common)
+    _shards_arg(p)
     p.add_argument("--queue", help="only this queue")
     p.add_argument("--minutes", type=int, default=5,
                    help="throughput window in minutes (default 5)")
@@ -639,6 +742,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode the JSON body too (arguments as sent, unmasked)")
 
     p = _add(sub, "limits", cmd_limits, _render_limits, common)
+    _shards_arg(p)
     p.add_argument("--key", help="only keys starting with this (e.g. key:sync_account:)")
     p.add_argument("--limit", type=int, default=DEFAULT_PAGE,
                    help=f"most keys listed (default {DEFAULT_PAGE}, at most 1000)")
@@ -692,10 +796,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("queue")
 
     p = _add(sub, "workers", cmd_workers, _render_workers, common)
+    _shards_arg(p)
     p.add_argument("--leases", type=int, default=20,
                    help=f"leases listed per worker (default 20, at most {MAX_LEASES})")
 
     p = _add(sub, "metrics", cmd_metrics, _render_text, common)
+    _shards_arg(p)
     p.add_argument("--serve", type=int, metavar="PORT",
                    help="serve /metrics over HTTP on this port (0: any free port)")
     p.add_argument("--bind", default="127.0.0.1", help="address to serve on (127.0.0.1)")

@@ -44,7 +44,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Collection, Iterable
 from typing import TYPE_CHECKING, Any
 
 import psycopg
@@ -96,8 +96,14 @@ def is_connection_failure(exc: BaseException, conn: psycopg.Connection[Any] | No
 class ConsumerLoop:
     """Claims, deliveries and waits of one kombu connection (see the module docstring)."""
 
-    def __init__(self, transport: Transport) -> None:
+    def __init__(self, transport: Transport, *, backend: Backend | None = None,
+                 shard: int = 0, owns: Callable[[str], bool] | None = None) -> None:
         self.transport = transport
+        # One database's loop of a sharded transport (sharding.py): its backend, its shard
+        # number (carried in delivery tags) and which queues are its own. None: the transport's.
+        self._backend = backend
+        self.shard = shard
+        self.owns = owns
         self.options = transport.options
         self.lock = threading.RLock()
         self.state = State.DISCONNECTED
@@ -134,7 +140,16 @@ class ConsumerLoop:
 
     @property
     def backend(self) -> Backend:
-        return self.transport.backend
+        return self._backend if self._backend is not None else self.transport.backend
+
+    def consumed(self) -> Collection[str]:
+        """The queues this loop consumes: the transport's, or (a shard's loop) those of them
+        on its database."""
+        callbacks = self.transport._callbacks
+        owns = self.owns
+        if owns is None:
+            return callbacks
+        return {q for q in callbacks if owns(q)}
 
     # -- the claim connection --------------------------------------------------------------
     def claim_conn(self) -> psycopg.Connection[Any]:
@@ -146,7 +161,7 @@ class ConsumerLoop:
             self.listening = False
             if self.options.use_listen_notify:
                 conn.add_notify_handler(lambda n: self._notified(n.channel, n.payload))
-            self.dirty.update(self.transport._callbacks)  # anything may have arrived meanwhile
+            self.dirty.update(self.consumed())  # anything may have arrived meanwhile
         if not self._ack_listener:
             self.backend.add_ack_listener(self.poke)
             self._ack_listener = True
@@ -186,7 +201,11 @@ class ConsumerLoop:
                     self._broken(exc, "unlisten")
 
     def _consuming(self) -> bool:
-        return any(ch._consumers and not ch.closed for ch in self.transport.channels)
+        owns = self.owns
+        if owns is None:
+            return any(ch._consumers and not ch.closed for ch in self.transport.channels)
+        return any(owns(q) for ch in self.transport.channels
+                   if ch._consumers and not ch.closed for q in ch._active_queues)
 
     def _drop_conn(self) -> None:
         """Close the claim connection; its Hub reader goes first (by connection: a new
@@ -226,7 +245,7 @@ class ConsumerLoop:
             self._backoff = min(BACKOFF_MAX, max(BACKOFF_FIRST, self._backoff * 2))
             now = time.monotonic()
             self.retry_at = now + self._backoff
-            self.dirty.update(self.transport._callbacks)
+            self.dirty.update(self.consumed())
             if not self._failing or now - self._logged_at >= 60.0:
                 self._logged_at = now
                 log_event("pgjobs.consumer.broken", action=action,
@@ -266,7 +285,9 @@ class ConsumerLoop:
         (the release in an ack wakes a parked message and notifies this very session) leaves
         the socket unreadable: :meth:`pump` claims again at once instead of waiting for it."""
         if self.waits.waiter is not None and channel == self.waits.channel:
-            self.waits.woken(queue, self.transport._callbacks)
+            self.waits.woken(queue, self.consumed())
+        if self.owns is not None and not self.owns(queue):
+            return  # a shard's loop claims only the queues the map gives its database
         self.dirty.add(queue)
         self.woken = True
 
@@ -304,7 +325,7 @@ class ConsumerLoop:
                 # the queue (notify handler) and must not be erased by a later clear.
                 self.dirty.difference_update(queues)
                 acks = backend.take_acks()
-                ticket = self.waits.ticket(queues, self.transport._callbacks)
+                ticket = self.waits.ticket(queues, self.consumed())
                 try:
                     result = backend.core.claim(conn, queues, n, acks,
                                                 ticket and ticket.plan)
@@ -329,7 +350,7 @@ class ConsumerLoop:
             conn = self.claim_conn()
             self.dirty.difference_update(queues)
             acks = backend.take_acks()
-            ticket = self.waits.ticket(queues, self.transport._callbacks)
+            ticket = self.waits.ticket(queues, self.consumed())
             try:
                 query, params = backend.core.claim_statement(queues, n, acks,
                                                              ticket and ticket.plan)
@@ -365,13 +386,14 @@ class ConsumerLoop:
             result = self.backend.core.claim_result(pending.rows())
             rows = self._claimed(channel, queues, acks, result, ticket, no_ack=False)
         closed = channel.closed or channel.closing or not channel._consumers
-        callbacks = self.transport._callbacks
+        callbacks = self.consumed()
         orphans = [r for r in rows if closed or r.queue not in callbacks]
         if orphans:
             rows = [r for r in rows if not closed and r.queue in callbacks]
             # Their consumer went away while the claim was in flight: hand them back unstarted
             # (no attempt counted), and stop renewing them whatever happens.
-            channel.settle([(r.id, r.claim) for r in orphans], requeue=True, uncount=True)
+            self.backend.settle([(r.id, r.claim) for r in orphans], requeue=True,
+                                uncount=True)
         return rows
 
     def finish_inflight(self) -> None:
@@ -460,7 +482,7 @@ class ConsumerLoop:
         try:
             for index, row in enumerate(rows):
                 try:
-                    message = transport.to_message(row)
+                    message = transport.to_message(row, self.shard)
                 except ValueError as exc:
                     bad.append((row, str(exc)))
                     continue
@@ -526,12 +548,12 @@ class ConsumerLoop:
             self._tidy_waits()
         now = time.monotonic()
         if now >= self.next_poll:
-            self.dirty.update(transport._callbacks)
+            self.dirty.update(self.consumed())
             self.next_poll = now + (self.options.idle_poll_interval if self.listening
                                     else transport.polling_interval)
         if self.due_at is not None and now >= self.due_at:
             self.due_at = None
-            self.dirty.update(transport._callbacks)
+            self.dirty.update(self.consumed())
         age = self.backend.oldest_ack_age()
         acks_due = age is not None and age >= self.options.ack_flush_interval
         channels = list(transport.channels)
@@ -574,7 +596,7 @@ class ConsumerLoop:
         """Registrations of queues no longer consumed go (a cancelled consumer); wake-ups
         that came for them are passed on to every consumer of those queues."""
         waits = self.waits
-        callbacks = self.transport._callbacks
+        callbacks = self.consumed()
         stale = waits.stale(callbacks)
         if not stale and not waits.pass_on:
             return
@@ -603,13 +625,17 @@ class ConsumerLoop:
             wait = min(wait, 1.0)
         return max(wait, 0.0)
 
-    def _wait(self, timeout: float) -> None:
+    def wait_fds(self) -> list[int]:
+        """What a wait watches: the self-pipe, and the claim socket while it LISTENs."""
         fds = [self._wake_r]
         conn = self.conn
         if self.listening and conn is not None and not conn.closed:
             fds.append(conn.fileno())
+        return fds
+
+    def _wait(self, timeout: float) -> None:
         try:
-            wait_readable(fds, timeout)  # poll(), or eventlet's green select (green.py)
+            wait_readable(self.wait_fds(), timeout)  # poll(), or eventlet's green select (green.py)
         except InterruptedError:  # pragma: no cover
             return
         self.read_wakeups()

@@ -485,3 +485,28 @@ class UnsupportedConnection(PgJobsError):
 
     code = "PGJ-514"
 
+
+
+class InvalidShardMap(ConfigurationError):
+    """The ``shards`` transport option (or ``--shards``/``$PGJOBS_SHARDS``) is not a mapping of
+    queue patterns to database URLs (a dict, or a JSON object); see docs/sharding.md."""
+
+    code = "PGJ-230"
+
+
+class InvalidShardPattern(InvalidShardMap):
+    """A queue pattern of the shard map is invalid: use a queue name, a glob with ``*`` and
+    ``?`` only, or ``*`` alone; remote control (``*.pidbox``) and events (``celeryev.*``)
+    always stay on the broker URL's database."""
+
+    code = "PGJ-231"
+
+
+class InvalidShardURL(InvalidShardMap):
+    """A database URL of the shard map is invalid: use pgjobs://user:password@host:port/db
+    (a host and a database are required)."""
+
+    code = "PGJ-232"
+
+
+__all__ += ["InvalidShardMap", "InvalidShardPattern", "InvalidShardURL"]

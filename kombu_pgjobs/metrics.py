@@ -25,7 +25,8 @@ from .admin import Admin
 from .database import connect
 from .errors import PgJobsError
 
-__all__ = ["Metric", "MetricsSource", "collect", "make_server", "render"]
+__all__ = ["Metric", "MetricsSource", "ShardedMetrics", "collect", "make_server", "merge",
+           "render"]
 
 log = logging.getLogger("kombu_pgjobs")
 
@@ -178,6 +179,50 @@ class MetricsSource:
             if self._conn is not None:
                 self._conn.close()
                 self._conn = None
+
+
+def merge(per_shard: list[tuple[Any, list[Metric]]]) -> list[Metric]:
+    """The metrics of a shard map's databases as one set: every sample gains a ``shard``
+    label (``default`` for the broker URL's database, ``host:port/db`` for the others);
+    metrics keep their order, samples their database's order."""
+    merged: dict[str, Metric] = {}
+    for shard, metrics in per_shard:
+        for m in metrics:
+            into = merged.setdefault(m.name, Metric(m.name, m.kind, m.help))
+            into.samples += [({"shard": str(shard), **labels}, v) for labels, v in m.samples]
+    return list(merged.values())
+
+
+class ShardedMetrics:
+    """One :class:`MetricsSource` per database of a shard map, scraped together. A database
+    that cannot be read reports ``pgjobs_up{shard=...} 0``; the others are served."""
+
+    def __init__(self, sources: list[tuple[str, MetricsSource]]) -> None:
+        self.sources = sources
+
+    def metrics(self) -> list[Metric]:
+        return merge([(shard, source.metrics()) for shard, source in self.sources])
+
+    def text(self) -> str:
+        per_shard: list[tuple[Any, list[Metric]]] = []
+        notes = []
+        for shard, source in self.sources:
+            try:
+                per_shard.append((shard, source.metrics()))
+            except (psycopg.Error, PgJobsError) as exc:
+                log.warning("pgjobs.metrics.failed %s", exc, extra={"action": "metrics"})
+                source.close()
+                down = Metric("pgjobs_up", "gauge",
+                              "1 when the exporter could read the pgjobs schema.")
+                down.add(0)
+                per_shard.append((shard, [down]))
+                notes.append(f"# pgjobs: {shard}: "
+                             f"{str(exc).splitlines()[0] if str(exc) else 'error'}\n")
+        return "".join(notes) + render(merge(per_shard))
+
+    def close(self) -> None:
+        for _, source in self.sources:
+            source.close()
 
 
 def make_server(text: Callable[[], str], port: int,

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from .errors import InvalidName, InvalidOption
+from .shardmap import ShardMap
+from .shardmap import parse as parse_shard_map
 
 __all__ = [
     "FOREIGN_OPTIONS",
@@ -116,6 +118,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("application_name", "pgjobs", str, doc="application_name of pgjobs connections."),
     Option("embedded_data_dir", None, str,
            doc="Data directory of the embedded server (pgjobs:// with no host)."),
+    Option("shards", None, dict,
+           doc="Shard map: queue patterns to database URLs, e.g. {'billing': "
+               "'pgjobs://app@db2/jobs', '*': 'pgjobs://app@db1/jobs'} (or that as JSON). "
+               "Each queue is published and claimed on its database; remote control, events "
+               "and bindings stay on the broker URL's. See docs/sharding.md."),
 )
 
 #: kombu reads these itself (connection retry, body encoding); pgjobs passes them through.
@@ -180,6 +187,8 @@ def _coerce(opt: Option, raw: Any) -> Any:
                 f"transport option {opt.name!r} must be between {opt.minimum:g} and "
                 f"{opt.maximum:g}, got {raw!r}")
         return value
+    if opt.name == "shards":
+        return parse_shard_map(raw)  # its own codes: PGJ-230..232
     if opt.kind is dict:
         if not isinstance(raw, Mapping):
             raise InvalidOption(f"transport option {opt.name!r} must be a mapping, got {raw!r}")
@@ -215,6 +224,7 @@ class TransportOptions:
     connect_options: dict[str, str] | None = field(default=None, hash=False)
     application_name: str = "pgjobs"
     embedded_data_dir: str | None = None
+    shards: ShardMap | None = None
 
     @property
     def tick_interval(self) -> float:

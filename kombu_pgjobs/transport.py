@@ -35,6 +35,10 @@ the claim connection's states on faults) is :mod:`kombu_pgjobs.consumer`, every 
 * An ack is buffered (thread-safe, non-blocking) and flushed within ``ack_flush_interval`` by
   the consumer thread, or folded into the next claim. A crash before the flush re-delivers the
   message after its lease lapses; nothing acked-and-flushed is ever re-delivered.
+* With a ``shards`` map (docs/sharding.md) each queue is published, claimed and settled on its
+  own database (:mod:`kombu_pgjobs.sharding`: one backend and one consumer loop per database;
+  delivery tags ``id.claim.N`` name it); remote control, events and bindings stay on the
+  broker URL's database. Without one, nothing here looks further than ``self.backend``.
 """
 
 from __future__ import annotations
@@ -63,24 +67,37 @@ from .options import (
     validate_routing_key,
 )
 from .revoke import revoked_task_ids
+from .sharding import ShardedConsumer, Shards
 from .url import host_list
 
-__all__ = ["Channel", "QoS", "Transport", "parse_tag"]
+__all__ = ["Channel", "QoS", "Transport", "parse_shard_tag", "parse_tag"]
 
 log = logging.getLogger("kombu_pgjobs")
 
 
-def make_tag(job_id: int, claim: int) -> str:
-    return f"{job_id}.{claim}"
+def make_tag(job_id: int, claim: int, shard: int = 0) -> str:
+    """``id.claim`` on the default database, ``id.claim.N`` on shard N (sharding.py)."""
+    return f"{job_id}.{claim}.{shard}" if shard else f"{job_id}.{claim}"
+
+
+def parse_shard_tag(tag: Any) -> tuple[int, int, int] | None:
+    """``(id, claim, shard)`` of a delivery tag; anything else is not ours (None)."""
+    try:
+        parts = str(tag).split(".")
+        if len(parts) == 2:
+            return int(parts[0]), int(parts[1]), 0
+        if len(parts) == 3:
+            return int(parts[0]), int(parts[1]), int(parts[2])
+    except ValueError:
+        pass
+    return None
 
 
 def parse_tag(tag: Any) -> tuple[int, int] | None:
-    """Delivery tags carry ``(id, claim)``; anything else is not ours (None)."""
-    try:
-        job_id, claim = str(tag).split(".", 1)
-        return int(job_id), int(claim)
-    except ValueError:
-        return None
+    """Delivery tags carry ``(id, claim)``; anything else is not ours (None). The database
+    (a shard's number) is :func:`parse_shard_tag`'s."""
+    found = parse_shard_tag(tag)
+    return None if found is None else (found[0], found[1])
 
 
 class QoS(virtual.QoS):
@@ -91,9 +108,11 @@ class QoS(virtual.QoS):
     def ack(self, delivery_tag: Any) -> None:
         """Buffered, fenced on the tag's claim: it reaches the database whatever became of
         this channel or its connection meanwhile (a task that ran through a reconnect)."""
-        pair = parse_tag(delivery_tag)
-        if pair is not None:
-            self.channel.backend.buffer_ack(*pair)
+        found = parse_shard_tag(delivery_tag)
+        if found is not None:
+            backend = self.channel.backend_at(found[2])
+            if backend is not None:
+                backend.buffer_ack(found[0], found[1])
         super().ack(delivery_tag)
         window = self.prefetch_count
         connection = self.channel.connection
@@ -104,9 +123,9 @@ class QoS(virtual.QoS):
             connection.poke()
 
     def reject(self, delivery_tag: Any, requeue: bool = False) -> None:
-        pair = parse_tag(delivery_tag)
-        if pair is not None:
-            self.channel.settle([pair], requeue=requeue, uncount=False)
+        found = parse_shard_tag(delivery_tag)
+        if found is not None:
+            self.channel.settle([found[:2]], requeue=requeue, uncount=False, shard=found[2])
         self._quick_ack(delivery_tag)
 
     def restore_unacked(self) -> list[Any]:
@@ -114,10 +133,13 @@ class QoS(virtual.QoS):
         If that fails for good their leases are no longer renewed: they lapse and the rows
         come back (Channel.settle)."""
         self._flush()
-        pairs = [p for p in (parse_tag(t) for t in self._delivered) if p is not None]
+        by_shard: dict[int, list[tuple[int, int]]] = {}
+        for found in (parse_shard_tag(t) for t in self._delivered):
+            if found is not None:
+                by_shard.setdefault(found[2], []).append(found[:2])
         self._delivered.clear()
-        if pairs:
-            self.channel.settle(pairs, requeue=True, uncount=True)
+        for shard, pairs in by_shard.items():  # per database: not atomic across them
+            self.channel.settle(pairs, requeue=True, uncount=True, shard=shard)
         return []
 
 
@@ -135,25 +157,50 @@ class Channel(virtual.Channel):
         # The process-wide backend, kept: acks and rejects of messages this channel delivered
         # must reach it after the channel (or its connection) closed.
         self.backend: Backend = connection.backend
+        #: with a shard map, every database's backend (sharding.py); None without one
+        self.shards: Shards | None = connection.shards
         super().__init__(connection, **kwargs)
         self._tables: dict[str, tuple[float, list[tuple[str, str, str]], str | None]] = {}
         self._no_ack_queues: set[str] = set()
 
+    # -- databases (one without a shard map) ----------------------------------------------
+    def backend_of(self, queue: str) -> Backend:
+        """The backend of ``queue``'s database."""
+        shards = self.shards
+        return self.backend if shards is None else shards.backend_of(queue)
+
+    def backend_at(self, shard: int) -> Backend | None:
+        """The backend of a delivery tag's database (None: not one of this channel's)."""
+        shards = self.shards
+        if shards is None:
+            return self.backend if shard == 0 else None
+        return shards.backend_at(shard)
+
     # -- publish -------------------------------------------------------------------------
     def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
-        self.backend.publish(job_from_message(queue, message))
+        self.backend_of(queue).publish(job_from_message(queue, message))
 
     def _put_fanout(self, exchange: str, message: dict[str, Any], routing_key: str,
                     **kwargs: Any) -> None:
         job = job_from_message(exchange, message)
         revoked = revoked_task_ids(exchange, message)
-        fanout = lambda c: self.backend.core.publish_fanout(c, exchange, job)  # noqa: E731
-        if not self.backend.in_caller_transaction(fanout):
-            self.backend.publishing(fanout)
+        shards = self.shards
+        queues = {q for _, _, q in self.get_table(exchange)} if shards is not None else ()
+        if shards is not None and any(shards.index_of(q) for q in queues):
+            # Bound queues on several databases: one publish per queue, on its database
+            # (not atomic across databases: see docs/sharding.md).
+            for queue in sorted(queues):
+                self._put(queue, message)
+        else:
+            fanout = lambda c: self.backend.core.publish_fanout(c, exchange, job)  # noqa: E731
+            if not self.backend.in_caller_transaction(fanout):
+                self.backend.publishing(fanout)
         if revoked:  # Celery's revoke broadcast: its waiting (ETA) rows go for good
-            gone = self.backend.publishing(lambda c: self.backend.core.revoke(c, revoked))
-            for job_id, queue in gone:
-                log_event("pgjobs.revoke.deleted", logging.INFO, job_id=job_id, queue=queue)
+            for backend in shards.backends if shards is not None else [self.backend]:
+                gone = backend.publishing(lambda c, b=backend: b.core.revoke(c, revoked))
+                for job_id, queue in gone:
+                    log_event("pgjobs.revoke.deleted", logging.INFO, job_id=job_id,
+                              queue=queue)
 
     def basic_publish(self, message: dict[str, Any], exchange: str, routing_key: str,
                       **kwargs: Any) -> Any:
@@ -223,15 +270,20 @@ class Channel(virtual.Channel):
     def _new_queue(self, queue: str, **kwargs: Any) -> None:
         validate_queue_name(queue)
         args = queue_arguments(queue, kwargs.get("arguments"))
-        self.backend.publishing(lambda c: self.backend.core.declare_queue(
+        backend = self.backend_of(queue)
+        backend.publishing(lambda c: backend.core.declare_queue(
             c, queue, expires_ms=args.expires_ms, message_ttl_ms=args.message_ttl_ms,
             max_priority=args.max_priority, auto_delete=bool(kwargs.get("auto_delete"))))
 
     def _has_queue(self, queue: str, **kwargs: Any) -> bool:
-        return bool(self.backend.publishing(lambda c: self.backend.core.queue_exists(c, queue)))
+        backend = self.backend_of(queue)
+        return bool(backend.publishing(lambda c: backend.core.queue_exists(c, queue)))
 
     def _delete(self, queue: str, *args: Any, **kwargs: Any) -> None:
-        self.backend.publishing(lambda c: self.backend.core.delete_queue(c, queue))
+        backend = self.backend_of(queue)
+        backend.publishing(lambda c: backend.core.delete_queue(c, queue))
+        if backend is not self.backend:  # its bindings are on the default database
+            self.backend.publishing(lambda c: self.backend.core.delete_queue(c, queue))
 
     def queue_delete(self, queue: str, if_unused: bool = False, if_empty: bool = False,
                      **kwargs: Any) -> None:
@@ -242,10 +294,12 @@ class Channel(virtual.Channel):
         self._tables.clear()
 
     def _purge(self, queue: str) -> int:
-        return int(self.backend.publishing(lambda c: self.backend.core.purge(c, queue)))
+        backend = self.backend_of(queue)
+        return int(backend.publishing(lambda c: backend.core.purge(c, queue)))
 
     def _size(self, queue: str) -> int:
-        return int(self.backend.publishing(lambda c: self.backend.core.size(c, queue)))
+        backend = self.backend_of(queue)
+        return int(backend.publishing(lambda c: backend.core.size(c, queue)))
 
     # -- consume -------------------------------------------------------------------------
     def basic_get(self, queue: str, no_ack: bool = False, **kwargs: Any) -> Any:
@@ -254,9 +308,10 @@ class Channel(virtual.Channel):
         if not rows:
             return None
         try:
-            message = self.Message(self.connection.to_message(rows[0]), channel=self)
+            message = self.Message(self.connection.to_message(
+                rows[0], self.connection.shard_index(queue)), channel=self)
         except Exception as exc:  # not a kombu message: dead-lettered, never held
-            self.backend.bury_malformed([(rows[0], f"{type(exc).__name__}: {exc}")])
+            self.backend_of(queue).bury_malformed([(rows[0], f"{type(exc).__name__}: {exc}")])
             return None
         if not no_ack:
             self.qos.append(message, message.delivery_tag)
@@ -267,7 +322,7 @@ class Channel(virtual.Channel):
         result = super().basic_consume(queue, no_ack, callback, consumer_tag, **kwargs)
         if no_ack:  # remote control, event receivers: delivered means settled
             self._no_ack_queues.add(queue)
-        self.backend.consume([queue], +1)
+        self.backend_of(queue).consume([queue], +1)
         self.connection.consumer.mark_dirty([queue])
         return result
 
@@ -275,17 +330,21 @@ class Channel(virtual.Channel):
         queue = self._tag_to_queue.get(consumer_tag)
         result = super().basic_cancel(consumer_tag)
         if queue is not None:
-            self.backend.consume([queue], -1)
+            self.backend_of(queue).consume([queue], -1)
             self._no_ack_queues.discard(queue)
         if not self._consumers and self.connection is not None:
             if not any(ch._consumers for ch in self.connection.channels if ch is not self):
                 self.connection.consumer.stop_listening()
         return result
 
-    def settle(self, pairs: list[tuple[int, int]], *, requeue: bool, uncount: bool) -> None:
-        """Fenced reject: requeue (to ready) or bury (to the dead-letter table); see
-        :meth:`Backend.settle` for what happens when the database cannot be reached."""
-        self.backend.settle(pairs, requeue=requeue, uncount=uncount)
+    def settle(self, pairs: list[tuple[int, int]], *, requeue: bool, uncount: bool,
+               shard: int = 0) -> None:
+        """Fenced reject: requeue (to ready) or bury (to the dead-letter table), on the
+        database of the tags' ``shard``; see :meth:`Backend.settle` for what happens when the
+        database cannot be reached."""
+        backend = self.backend_at(shard)
+        if backend is not None:
+            backend.settle(pairs, requeue=requeue, uncount=uncount)
 
     def close(self) -> None:
         if not self.closed and self.connection is not None:
@@ -293,7 +352,8 @@ class Channel(virtual.Channel):
             self.connection.consumer.channel_closing(self)
             # Flush buffered acks before unacked messages are restored (what fails stays
             # buffered: the keeper retries it, and so does the exit hook).
-            self.backend.flush_pending()
+            for backend in self.shards.backends if self.shards else [self.backend]:
+                backend.flush_pending()
         super().close()
 
 
@@ -334,8 +394,17 @@ class Transport(virtual.Transport):
         super().__init__(client, **kwargs)
         if "polling_interval" not in client.transport_options:
             self.polling_interval = self.options.polling_interval
-        #: the claim connection, LISTEN, waits and Celery's event loop (consumer.py)
-        self.consumer = ConsumerLoop(self)
+        #: the claim connection, LISTEN, waits and Celery's event loop (consumer.py); with a
+        #: shard map, one loop per database (sharding.py), the map checked now (at connect)
+        self.shards: Shards | None = None
+        self.consumer: ConsumerLoop | ShardedConsumer
+        if self.options.shards is None:
+            self.consumer = ConsumerLoop(self)
+        else:
+            c = client
+            self.shards = Shards(self.backend, self.options.shards, user=c.userid,
+                                 password=c.password, ssl=c.ssl)
+            self.consumer = ShardedConsumer(self, self.shards)
         if not self.options.event_loop:
             self.implements = virtual.Transport.implements.extend(
                 exchange_type=frozenset(["direct", "topic", "fanout"]), heartbeats=False,
@@ -363,7 +432,9 @@ class Transport(virtual.Transport):
         return backend_for(conninfo, self.options)
 
     def establish_connection(self) -> Any:
-        self.backend.publishing(lambda conn: None)  # connect (and migrate) now: fail early
+        # connect (and migrate: every database of a shard map) now: fail early
+        for backend in self.shards.backends if self.shards else [self.backend]:
+            backend.publishing(lambda conn: None)
         return super().establish_connection()
 
     def close_connection(self, connection: Any) -> None:
@@ -372,9 +443,13 @@ class Transport(virtual.Transport):
         finally:
             self.consumer.close()
 
-    def to_message(self, row: Claimed) -> dict[str, Any]:
-        """The kombu message of a claimed row; ValueError when the stored text is not one
-        (the consumer loop dead-letters such a row)."""
+    def shard_index(self, queue: str) -> int:
+        """The database of ``queue``: 0 (the default) without a shard map."""
+        return 0 if self.shards is None else self.shards.index_of(queue)
+
+    def to_message(self, row: Claimed, shard: int = 0) -> dict[str, Any]:
+        """The kombu message of a row claimed on database ``shard``; ValueError when the
+        stored text is not one (the consumer loop dead-letters such a row)."""
         message = json.loads(row.message)
         props = message.get("properties") if isinstance(message, dict) else None
         if not isinstance(props, dict):
@@ -383,9 +458,11 @@ class Transport(virtual.Transport):
         encoding = props.get("body_encoding")
         if encoding is not None and encoding not in self.Channel.codecs:
             raise ValueError(f"the stored message's body_encoding {encoding!r} is unknown")
-        props["delivery_tag"] = make_tag(row.id, row.claim)
+        props["delivery_tag"] = make_tag(row.id, row.claim, shard)
         if settle_listeners:  # headers for whoever is told of the settle (celery_ext)
-            self.backend.note_delivery(row.id, row.claim, message.get("headers"))
+            backend = self.backend if shard == 0 or self.shards is None else \
+                self.shards.backends[shard]
+            backend.note_delivery(row.id, row.claim, message.get("headers"))
         if row.claim > 1:  # where kombu and Celery look for it
             info = props.get("delivery_info")
             if not isinstance(info, dict):

@@ -175,3 +175,26 @@ def import_app(module: str, schema: str, url: str, **env: str) -> Any:
     finally:
         os.environ.clear()
         os.environ.update(saved)
+
+
+#: the second database of shard-map tests (created on the test server when absent)
+SECOND_DATABASE = "pgjobs_test_shard2"
+
+
+@pytest.fixture
+def second_database(dsn: str, schema: str) -> Iterator[str]:
+    """The pgjobs:// URL of a second database on the test server (``pgjobs_test_shard2``,
+    created when absent), for shard maps. The test's schema is dropped there afterwards."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        if conn.execute("SELECT 1 FROM pg_database WHERE datname = %s",
+                        (SECOND_DATABASE,)).fetchone() is None:
+            try:
+                conn.execute(f'CREATE DATABASE "{SECOND_DATABASE}"')
+            except psycopg.errors.DuplicateDatabase:  # another run created it meanwhile
+                pass
+    base = broker_url()
+    yield base.rsplit("/", 1)[0] + "/" + SECOND_DATABASE
+    release_all()
+    second = psycopg.conninfo.make_conninfo(DSN, dbname=SECOND_DATABASE)
+    with psycopg.connect(second, autocommit=True) as conn:
+        conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')

@@ -1,0 +1,372 @@
+"""Shard map: queues spread over two databases (the test database and pgjobs_test_shard2).
+
+Each test runs in its own schema, on both databases. Counts are read back from the databases:
+the jobs left on each, and the executions the tasks recorded.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import kombu
+import psycopg
+import pytest
+
+from kombu_pgjobs import cli
+from kombu_pgjobs.errors import InvalidShardMap, InvalidShardPattern, InvalidShardURL
+from kombu_pgjobs.shardmap import parse
+
+from .conftest import DSN, SECOND_DATABASE, wait_for
+
+SECOND_DSN = psycopg.conninfo.make_conninfo(DSN, dbname=SECOND_DATABASE)
+
+
+def jobs(dsn: str, schema: str) -> list[tuple[str, str, int]]:
+    """(queue, state, claim) of every row of a database's job table."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        return [tuple(r) for r in conn.execute(  # type: ignore[misc]
+            f'SELECT queue, state::text, claim FROM "{schema}".pgjobs_job ORDER BY id')]
+
+
+def connection(url: str, schema: str, shards: Any, **options: Any) -> kombu.Connection:
+    return kombu.Connection(url, transport_options={"schema": schema, "shards": shards,
+                                                    **options})
+
+
+def drain(conn: kombu.Connection, queues: list[str], n: int, *,
+          ack: bool = True) -> list[Any]:
+    got: list[Any] = []
+    consumer = conn.Consumer([kombu.Queue(q, kombu.Exchange(q), routing_key=q)
+                              for q in queues],
+                             callbacks=[lambda body, m: got.append(m)])
+    with consumer:
+        deadline = time.monotonic() + 10
+        while len(got) < n and time.monotonic() < deadline:
+            try:
+                conn.drain_events(timeout=1)
+            except TimeoutError:
+                pass
+        if ack:
+            for m in got:
+                m.ack()
+    return got
+
+
+def publish(conn: kombu.Connection, queue: str, body: Any) -> None:
+    q = kombu.Queue(queue, kombu.Exchange(queue), routing_key=queue)
+    with conn.Producer() as producer:
+        producer.publish(body, exchange=q.exchange, routing_key=queue, declare=[q])
+
+
+# -- the map itself ---------------------------------------------------------------------------
+def test_resolution_order() -> None:
+    m = parse(json.dumps({"billing": "pgjobs://a@h/db2", "bill*": "pgjobs://a@h/db3",
+                          "b*": "pgjobs://a@h/db4", "*": "pgjobs://a@h/db1"}))
+    assert m is not None
+    assert m.urls == ("pgjobs://a@h/db2", "pgjobs://a@h/db3", "pgjobs://a@h/db4",
+                      "pgjobs://a@h/db1")
+    assert m.shard_of("billing") == 1        # exact name first
+    assert m.shard_of("billing2") == 2       # then the most specific glob
+    assert m.shard_of("bx") == 3
+    assert m.shard_of("other") == 4          # then "*"
+    assert m.shard_of("w1@host.celery.pidbox") == 0  # remote control: always the default
+    assert m.shard_of("celeryev.1234") == 0
+    assert parse({"billing": "pgjobs://a@h/db2"}).shard_of("other") == 0  # type: ignore[union-attr]
+    assert parse({}) is None and parse(None) is None
+
+
+@pytest.mark.parametrize(("shards", "error"), [
+    ("{not json", InvalidShardMap),
+    ([["billing", "pgjobs://a@h/db"]], InvalidShardMap),
+    ({"bill[ing]": "pgjobs://postgres@127.0.0.1/x"}, InvalidShardPattern),
+    ({"": "pgjobs://postgres@127.0.0.1/x"}, InvalidShardPattern),
+    ({"celeryev.*": "pgjobs://postgres@127.0.0.1/x"}, InvalidShardPattern),
+    ({"*.pidbox": "pgjobs://postgres@127.0.0.1/x"}, InvalidShardPattern),
+    ({"billing": "mysql://postgres@127.0.0.1/x"}, InvalidShardURL),
+    ({"billing": "pgjobs:///x"}, InvalidShardURL),
+    ({"billing": "pgjobs://postgres@127.0.0.1"}, InvalidShardURL),
+    ({"billing": "pgjobs://postgres@127.0.0.1:99999/x"}, InvalidShardURL),
+    ({"billing": 5432}, InvalidShardURL),
+])
+def test_bad_map_is_a_coded_error_at_connect(url: str, schema: str, shards: Any,
+                                             error: type[Exception]) -> None:
+    conn = connection(url, schema, shards)
+    with pytest.raises(error) as caught:
+        conn.connect()
+    assert caught.value.code == error.code  # type: ignore[attr-defined]
+    assert str(caught.value).startswith(f"[{error.code}]")  # type: ignore[attr-defined]
+
+
+# -- kombu ------------------------------------------------------------------------------------
+def test_routing_and_settles_go_to_each_database(url: str, schema: str,
+                                                 second_database: str) -> None:
+    shards = {"billing": second_database}
+    with connection(url, schema, shards) as conn:
+        publish(conn, "billing", {"n": 1})
+        publish(conn, "other", {"n": 2})
+        publish(conn, "w1@host.celery.pidbox", {"n": 3})
+        assert [r[0] for r in jobs(SECOND_DSN, schema)] == ["billing"]
+        assert sorted(r[0] for r in jobs(DSN, schema)) == ["other", "w1@host.celery.pidbox"]
+
+        got = drain(conn, ["billing", "other"], 2, ack=False)
+        tags = {m.payload["n"]: m.delivery_tag for m in got}
+        assert set(tags) == {1, 2}
+        assert tags[1].count(".") == 2 and tags[2].count(".") == 1  # id.claim.N vs id.claim
+        assert jobs(SECOND_DSN, schema) == [("billing", "running", 1)]
+        by_n = {m.payload["n"]: m for m in got}
+        by_n[1].requeue()  # fenced requeue on the second database
+        by_n[2].ack()
+        wait_for(lambda: ("other", "running", 1) not in jobs(DSN, schema), 5, what="ack")
+        assert jobs(SECOND_DSN, schema) == [("billing", "ready", 1)]
+
+        again = drain(conn, ["billing"], 1)
+        assert [m.payload for m in again] == [{"n": 1}]
+        assert again[0].delivery_info.get("redelivered") is True
+        wait_for(lambda: not jobs(SECOND_DSN, schema), 5, what="the ack on the second db")
+        assert [r[0] for r in jobs(DSN, schema)] == ["w1@host.celery.pidbox"]  # untouched
+
+
+def test_fanout_across_databases(url: str, schema: str, second_database: str) -> None:
+    """A fanout exchange bound to queues on both databases: one copy per queue, each on
+    its own database (per-queue publishes: not atomic across databases)."""
+    with connection(url, schema, {"billing": second_database}) as conn:
+        ex = kombu.Exchange("news", type="fanout")
+        queues = [kombu.Queue(q, ex) for q in ("billing", "other")]
+        with conn.Producer() as producer:
+            producer.publish({"x": 1}, exchange=ex, declare=queues)
+        assert [r[0] for r in jobs(SECOND_DSN, schema)] == ["billing"]
+        assert [r[0] for r in jobs(DSN, schema)] == ["other"]
+
+
+# -- real workers -----------------------------------------------------------------------------
+def _shard_env(second_database: str, **extra: str) -> dict[str, str]:
+    return {"PGJOBS_TEST_SHARDS": json.dumps({"billing": second_database}), **extra}
+
+
+def _runs(schema: str) -> list[str]:
+    with psycopg.connect(DSN, autocommit=True) as conn:
+        return [r[0] for r in conn.execute(
+            f'SELECT label FROM "{schema}".pgjobs_test_run ORDER BY label')]
+
+
+def _starts(schema: str) -> int:
+    with psycopg.connect(DSN, autocommit=True) as conn:
+        row = conn.execute(f'SELECT count(*) FROM "{schema}".pgjobs_test_start').fetchone()
+        return int(row[0]) if row else 0
+
+
+@pytest.mark.parametrize(("pool", "event_loop"), [
+    ("threads", "1"), ("prefork", "1"), ("threads", "0")])
+def test_worker_on_two_databases_runs_each_task_once(
+        url: str, recorder_tables: str, second_database: str, start_worker: Any,
+        pool: str, event_loop: str) -> None:
+    """In Celery's event loop (each database's consumer loop registers its own readers and
+    timers with the Hub), and in its synchronous loop (``drain_events`` waits on every
+    database's descriptors at once)."""
+    from tests.conftest import import_app
+
+    schema = recorder_tables
+    env = _shard_env(second_database, PGJOBS_TEST_EVENT_LOOP=event_loop)
+    app = import_app("tests.apps.sharded", schema, url, **env)
+    start_worker(app="tests.apps.sharded", env=env, pool=pool, concurrency=2,
+                 extra=["-Q", "billing,other"])
+    app.record.apply_async(("other-w",), queue="other")
+    wait_for(lambda: _runs(schema) == ["other-w"], 10, what="the first task")
+    time.sleep(0.5)  # both databases' loops idle: woken by a publish, or by nothing
+    labels = [f"{q}-{i}" for q in ("billing", "other") for i in range(15)]
+    for label in labels:
+        app.record.apply_async((label,), queue=label.split("-")[0])
+    labels.append("other-w")
+    wait_for(lambda: len(_runs(schema)) >= len(labels), 10, what="every task to run")
+    time.sleep(0.3)  # a duplicate, if any, would land now
+    assert _runs(schema) == sorted(labels)  # each exactly once
+    wait_for(lambda: not jobs(SECOND_DSN, schema) and not [
+        r for r in jobs(DSN, schema) if r[0] in ("billing", "other")], 5,
+        what="every row acked on its database")
+
+
+def test_sigkilled_worker_messages_come_back_on_both_databases(
+        url: str, recorder_tables: str, second_database: str, start_worker: Any) -> None:
+    from tests.conftest import import_app
+
+    schema = recorder_tables
+    lease = 2.0
+    env = _shard_env(second_database, PGJOBS_TEST_LEASE_TTL=str(lease))
+    app = import_app("tests.apps.sharded", schema, url, **env)
+    w1 = start_worker(name="w1", app="tests.apps.sharded", env=env,
+                      extra=["-Q", "billing,other"])
+    labels = ["billing-0", "billing-1", "other-0", "other-1"]
+    for label in labels:
+        app.record.apply_async((label, 60.0), queue=label.split("-")[0])
+    wait_for(lambda: _starts(schema) >= 4, 15, what="w1 to start all four")
+    assert {r[1] for r in jobs(SECOND_DSN, schema)} == {"running"}
+    assert {r[1] for r in jobs(DSN, schema) if r[0] != "celery"} == {"running"}
+    w2 = start_worker(name="w2", app="tests.apps.sharded", env=env,
+                      extra=["-Q", "billing,other"])
+    w1.kill()
+    killed = time.monotonic()
+    wait_for(lambda: len(_runs(schema)) >= 4, lease + 8, what="w2 to finish w1's tasks")
+    took = time.monotonic() - killed
+    assert _runs(schema) == sorted(labels)
+    assert _starts(schema) == 8  # each started by w1, then again by w2
+    # back within one lease (plus the keeper's tick and a claim), on both databases
+    assert took < lease + lease / 3 + 4.0, took
+    wait_for(lambda: not jobs(SECOND_DSN, schema), 5, what="the second db drained")
+    assert w2.proc.poll() is None
+
+
+def _dead(dsn: str, schema: str) -> list[tuple[str, str]]:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        return [(r[0], r[1]) for r in conn.execute(
+            f'SELECT queue, reason FROM "{schema}".pgjobs_dead_letter ORDER BY queue')]
+
+
+def test_celery_ext_dead_letters_and_remote_control(
+        url: str, recorder_tables: str, second_database: str, start_worker: Any) -> None:
+    """celery_ext records a failed task's dead letter on the database its message came from;
+    remote control works and ``inspect scheduled`` reads every database."""
+    from tests.conftest import import_app
+
+    schema = recorder_tables
+    env = _shard_env(second_database, PGJOBS_TEST_CELERY_EXT="1")
+    app = import_app("tests.apps.sharded", schema, url, **env)
+    start_worker(app="tests.apps.sharded", env=env, extra=["-Q", "billing,other"])
+    app.fail.apply_async(("b",), queue="billing")
+    app.fail.apply_async(("o",), queue="other")
+    wait_for(lambda: _dead(SECOND_DSN, schema) and _dead(DSN, schema), 15,
+             what="a dead letter on each database")
+    assert _dead(SECOND_DSN, schema) == [("billing", "failed")]
+    assert _dead(DSN, schema) == [("other", "failed")]
+
+    # remote control stays on the default database and works; `inspect scheduled` lists
+    # the ETA messages of both databases
+    later = {q: app.record.apply_async((f"later-{q}",), queue=q, countdown=600)
+             for q in ("billing", "other")}
+    assert {r[0] for r in jobs(SECOND_DSN, schema)} == {"billing"}
+    replies = app.app.control.inspect(timeout=10.0, limit=1).scheduled()
+    assert replies, "the worker answered over the default database's pidbox"
+    (entries,) = replies.values()
+    assert {e["request"]["id"] for e in entries} == {r.id for r in later.values()}
+
+
+# -- CLI --------------------------------------------------------------------------------------
+def test_cli_shows_every_shard(url: str, schema: str, second_database: str,
+                               capsys: Any, tmp_path: Any, monkeypatch: Any) -> None:
+    shards = json.dumps({"billing": second_database})
+    with connection(url, schema, {"billing": second_database}) as conn:
+        publish(conn, "billing", {"n": 1})
+        publish(conn, "other", {"n": 2})
+    label = f"127.0.0.1:5432/{SECOND_DATABASE}"
+
+    assert cli.main(["queues", "--dsn", url, "--schema", schema, "--shards", shards,
+                     "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["queues"]
+    assert {(r["shard"], r["queue"], r["ready"]) for r in rows} >= {
+        (label, "billing", 1), ("default", "other", 1)}
+
+    (tmp_path / "shards.json").write_text(shards)
+    monkeypatch.setenv("PGJOBS_SHARDS", f"@{tmp_path / 'shards.json'}")
+    assert cli.main(["queues", "--dsn", url, "--schema", schema]) == 0
+    text = capsys.readouterr().out
+    assert text.splitlines()[0].startswith("SHARD")
+    assert any(line.startswith(label) and "billing" in line for line in text.splitlines())
+
+    assert cli.main(["metrics", "--dsn", url, "--schema", schema]) == 0
+    metrics = capsys.readouterr().out
+    assert f'pgjobs_messages{{shard="{label}",queue="billing",state="ready"}} 1' in metrics
+    assert 'pgjobs_up{shard="default"} 1' in metrics
+
+    for command in (["migrate"], ["workers"], ["limits"]):
+        assert cli.main([*command, "--dsn", url, "--schema", schema, "--json"]) == 0
+        assert capsys.readouterr().out
+    assert cli.main(["migrate", "--dsn", url, "--schema", schema]) == 0
+    assert f"{label}: schema {schema}: up to date" in capsys.readouterr().out
+
+    monkeypatch.setenv("PGJOBS_SHARDS", '{"bill[": "pgjobs://postgres@127.0.0.1/x"}')
+    assert cli.main(["queues", "--dsn", url, "--schema", schema]) == 2
+    assert "PGJ-231" in capsys.readouterr().err
+
+
+def test_idle_consumer_wakes_for_a_publish_on_either_database(
+        url: str, schema: str, second_database: str) -> None:
+    """``drain_events`` waits on every database's LISTEN socket: a publish on the second
+    database wakes an idle consumer at once, not at its next safety poll."""
+    import threading
+
+    with connection(url, schema, {"billing": second_database}) as conn, \
+            connection(url, schema, {"billing": second_database}) as publisher:
+        got: list[Any] = []
+        queues = [kombu.Queue(q, kombu.Exchange(q), routing_key=q) for q in ("billing", "other")]
+        with conn.Consumer(queues, callbacks=[lambda body, m: (got.append(body), m.ack())]):
+            for _ in range(3):  # both databases' loops register and go idle
+                try:
+                    conn.drain_events(timeout=0.3)
+                except TimeoutError:
+                    pass
+            for queue in ("billing", "other"):
+                timer = threading.Timer(0.2, publish, (publisher, queue, {"q": queue}))
+                timer.start()
+                started = time.monotonic()
+                conn.drain_events(timeout=10)
+                took = time.monotonic() - started
+                timer.join()
+                assert got[-1] == {"q": queue}
+                assert took < 1.5, (queue, took)
+
+
+def test_queue_delete_removes_its_bindings_from_the_default_database(
+        url: str, schema: str, second_database: str) -> None:
+    with connection(url, schema, {"billing": second_database}) as conn:
+        publish(conn, "billing", {"n": 1})
+        with psycopg.connect(DSN, autocommit=True) as db:
+            def bound() -> list[str]:
+                return [r[0] for r in db.execute(
+                    f'SELECT queue FROM "{schema}".pgjobs_binding ORDER BY queue')]
+            assert bound() == ["billing"]  # bindings live on the default database
+            channel = conn.default_channel
+            assert channel.queue_declare("billing", passive=True).message_count == 1
+            channel.queue_delete("billing")
+            assert bound() == []
+        assert jobs(SECOND_DSN, schema) == []
+
+
+def test_a_shards_claim_connection_reconnects_on_its_own(
+        url: str, schema: str, second_database: str) -> None:
+    """A terminated claim connection on the second database is that loop's ``broken``
+    transition: it reconnects by itself; the default database's loop is untouched."""
+    with connection(url, schema, {"billing": second_database}) as conn:
+        publish(conn, "billing", {"n": 1})
+        publish(conn, "other", {"n": 2})
+        assert len(drain(conn, ["billing", "other"], 2)) == 2
+        loops = conn.transport.consumer.loops
+        default_conn, shard_conn = loops[0].conn, loops[1].conn
+        assert shard_conn is not None and default_conn is not None
+        with psycopg.connect(SECOND_DSN, autocommit=True) as admin:
+            admin.execute("SELECT pg_terminate_backend(%s)", (shard_conn.info.backend_pid,))
+        publish(conn, "billing", {"n": 3})
+        got = drain(conn, ["billing", "other"], 1)
+        assert [m.payload for m in got] == [{"n": 3}]
+        assert loops[1].conn is not shard_conn  # a new claim connection
+        assert loops[0].conn is default_conn
+        wait_for(lambda: not jobs(SECOND_DSN, schema), 5, what="the ack on the second db")
+
+
+def test_metrics_server_reports_a_database_it_cannot_read(url: str, schema: str,
+                                                          second_database: str) -> None:
+    from kombu_pgjobs.metrics import MetricsSource, ShardedMetrics
+
+    with connection(url, schema, {"billing": second_database}) as conn:
+        publish(conn, "billing", {"n": 1})
+    source = ShardedMetrics([
+        ("db2", MetricsSource(SECOND_DSN, schema)),
+        ("gone", MetricsSource(psycopg.conninfo.make_conninfo(
+            DSN, dbname="pgjobs_test_shard_absent", connect_timeout=2), schema))])
+    try:
+        text = source.text()
+    finally:
+        source.close()
+    assert 'pgjobs_up{shard="db2"} 1' in text
+    assert 'pgjobs_up{shard="gone"} 0' in text
+    assert 'pgjobs_messages{shard="db2",queue="billing",state="ready"} 1' in text
