@@ -3,6 +3,7 @@
     python -m bench.fleet [--pools threads,prefork] [--workers 1,4,16] [--prefork-workers 1,4,8]
                           [--runs 3] [--messages 300] [--rate 50] [--window 20] [--drain 3000]
                           [--quick] [--json PATH] [--markdown PATH]
+    python -m bench.fleet --cross-db 20000
 
 Real worker subprocesses (``bench/app.py``, the flags of ``bench/worker.py``; threads c=4 and
 prefork c=2, each worker its own node name), all in the database ``bench_fleet`` of the server
@@ -35,10 +36,16 @@ pool, per number of workers N (runs interleaved: run 1 of every case, then run 2
    one batch (``kombu_pgjobs.batch()``); rate = tasks / (time the last ran - time the publish
    committed). Its transactions per message (start and stop included) too.
 
-Idle statements/min per worker are the TCP writes of the idle window over N; idle
-transactions/min per worker the database's over N. Ratios (N workers / 1 worker) are taken
-within a run. Figures are ``median (min..max)`` over runs. Exit status 1 when any phase
-failed (a worker not ready, a task not run, backends still connected), 2 on bad arguments.
+Idle statements/min per worker are the TCP writes of the idle window over N (a window shorter
+than ``idle_poll_interval``, 60 s, sees the keeper's statements and may miss the safety
+claims); idle transactions/min per worker the database's over N. That one also counts the
+notify-queue reads NOTIFYs in *other* databases of the server cause (a listener is signalled
+when the queue head is 4 pages past it): on a shared server it is noisy, and ``--cross-db
+NOTIFIES`` measures that effect alone (4 listeners here, NOTIFIES sent as fast as one
+connection can from the database ``bench_fleet_other``; prints notifications per read).
+Ratios (N workers / 1 worker) are taken within a run. Figures are ``median (min..max)`` over
+runs. Exit status 1 when any phase failed (a worker not ready, a task not run, backends still
+connected), 2 on bad arguments.
 Nothing here is a test: figures depend on the machine; docs/scaling.md records runs.
 """
 
@@ -75,6 +82,7 @@ DATABASE = "bench_fleet"
 SCHEMA = "pgjobs"  # the transport's default
 CONCURRENCY = {"threads": 4, "prefork": 2}
 PROBE_CHANNEL = "bench_fleet_probe"
+OTHER_DATABASE = "bench_fleet_other"
 
 
 class PhaseFailed(Exception):
@@ -383,6 +391,35 @@ def listener_share(listeners: int, notifies: int, gap: float) -> float:
     return (with_ - without - notifies) / (notifies * listeners)
 
 
+def cross_database_reads(listeners: int, notifies: int) -> dict[str, float]:
+    """NOTIFYs sent as fast as one connection can in ANOTHER database of the same server
+    (``bench_fleet_other``), ``listeners`` LISTENing here: on PostgreSQL 17 and older a
+    listener of another database is signalled once the queue head is 4 pages past it, and
+    reads (one transaction) then. Returns notifications per read, per listener."""
+    ensure_database(OTHER_DATABASE)
+
+    def phase(m: int) -> int:
+        quiet()
+        x0 = xacts()
+        conns = [psycopg.connect(pg_dsn(DATABASE), autocommit=True) for _ in range(listeners)]
+        try:
+            for c in conns:
+                c.execute(f"LISTEN {PROBE_CHANNEL}")
+            with psycopg.connect(pg_dsn(OTHER_DATABASE), autocommit=True) as sender:
+                for _ in range(m):
+                    sender.execute(f"NOTIFY {PROBE_CHANNEL}_other, 'bench'")
+                time.sleep(0.5)
+        finally:
+            for c in conns:
+                c.close()
+        quiet()
+        return xacts() - x0
+
+    reads = (phase(notifies) - phase(0)) / listeners
+    return {"listeners": listeners, "notifies": notifies, "reads_per_listener": reads,
+            "notifies_per_read": notifies / reads if reads > 0 else float("inf")}
+
+
 def one_case(args: argparse.Namespace, pool: str, n: int, root: Path) -> dict[str, Any]:
     figures: dict[str, float] = {}
     errors: list[str] = []
@@ -421,7 +458,8 @@ def one_case(args: argparse.Namespace, pool: str, n: int, root: Path) -> dict[st
             figures["client_xacts_per_message"] = total - share * n
     if drain:
         figures.update(drain)
-    return {"pool": pool, "workers": n, "figures": figures, "errors": errors}
+    raw = {f"{name}_xacts": ph["xacts"] for name, ph in (("idle", idle), ("busy", busy)) if ph}
+    return {"pool": pool, "workers": n, "figures": figures, "raw": raw, "errors": errors}
 
 
 # -- report ------------------------------------------------------------------------------------
@@ -434,7 +472,8 @@ ROWS = (
     ("worker_statements_per_message", "worker statements per message (TCP writes)", "{:.2f}"),
     ("idle_statements_per_min_per_worker", "idle statements/min per worker (TCP writes)",
      "{:.1f}"),
-    ("idle_xacts_per_min_per_worker", "idle transactions/min per worker", "{:.1f}"),
+    ("idle_xacts_per_min_per_worker",
+     "idle transactions/min per worker (+ other databases' NOTIFY traffic)", "{:.1f}"),
     ("idle_connections_per_worker", "connections per worker (idle)", "{:.1f}"),
     ("drain_per_s", "drain, all workers (tasks/s)", "{:,.0f}"),
     ("drain_vs_1", "drain vs 1 worker, same run", "{:.2f}"),
@@ -514,6 +553,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--drain-timeout", type=float, default=120.0)
     p.add_argument("--ready-timeout", type=float, default=180.0)
     p.add_argument("--quick", action="store_true", help="CI smoke run (< 60 s)")
+    p.add_argument("--cross-db", type=int, metavar="NOTIFIES",
+                   help="only this: 4 listeners here, NOTIFIES sent in another database")
     p.add_argument("--json", type=Path, help="write every run's figures as JSON")
     p.add_argument("--markdown", type=Path, help="write the table as Markdown")
     args = p.parse_args(argv)
@@ -544,6 +585,10 @@ def main(argv: list[str] | None = None) -> int:
         "host": f"{platform.node()} ({os.cpu_count()} cpu, Python {platform.python_version()})",
         "load_before": " ".join(f"{x:.2f}" for x in os.getloadavg()),
     }
+    if args.cross_db:
+        setup()
+        print(json.dumps(cross_database_reads(4, args.cross_db)))
+        return 0
     os.environ["BENCH_BROKER_URL"] = _url()
     os.environ.pop("BENCH_STATE_DIR", None)  # the publisher runs no task
     root = Path(tempfile.mkdtemp(prefix="pgjobs-fleet-"))
