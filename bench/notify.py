@@ -281,7 +281,11 @@ def main() -> None:
     p.add_argument("--gap", type=float, default=0.02, help="seconds between (b)'s publishes")
     p.add_argument("--skip", choices=["a", "b"], help="leave one part out")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--database", default=DATABASE,
+                   help="database to use, created when missing; its counters must be ours alone "
+                        "(two runs at once need two databases)")
     args = p.parse_args()
+    globals()["DATABASE"] = args.database
     result: dict[str, Any] = {}
     if args.skip != "a":
         # durable_publish=False as well: the lock NOTIFY takes is held through the commit's
