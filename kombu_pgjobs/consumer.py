@@ -352,8 +352,8 @@ class ConsumerLoop:
             acks = backend.take_acks()
             ticket = self.waits.ticket(queues, self.consumed())
             try:
-                query, params = backend.core.claim_statement(queues, n, acks,
-                                                             ticket and ticket.plan)
+                query, params = backend.core.claim_wire(queues, n, acks,
+                                                        ticket and ticket.plan)
                 pending = InFlight(conn, query, params)
             except BaseException:
                 # Not sent (or not wholly): the acks go back to the buffer; the connection

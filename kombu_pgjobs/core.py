@@ -26,6 +26,7 @@ import psycopg
 from psycopg import sql
 from psycopg.types.json import Jsonb
 
+from .database import RawTimeoutTranslatingCursor
 from .errors import (
     InvalidIdempotencyKey,
     InvalidTenant,
@@ -36,7 +37,7 @@ from .events import log_event
 from .limits import LIMITS_HEADER, check_cap, check_key
 from .limits import normalise as normalise_limits
 from .options import validate_queue_name, validate_schema_name
-from .sql import queries, raw_queries, with_limit
+from .sql import positional, queries, raw_queries, with_limit
 
 __all__ = [
     "IDEMPOTENCY_HEADER",
@@ -544,8 +545,9 @@ class QueueCore:
         waits for a key's lock, so the acks of a busy key come back in ``unsettled`` (settle
         them with :meth:`ack`, which waits). ``wait``: what a consumer that LISTENs registers
         when the queues are drained (see :class:`WaitPlan`)."""
-        query, params = self.claim_statement(queues, n, acks, wait)
-        return self.claim_result(conn.execute(query, params).fetchall())
+        query, params = self.claim_wire(queues, n, acks, wait)
+        return self.claim_result(
+            RawTimeoutTranslatingCursor(conn).execute(query, params).fetchall())
 
     def claim_statement(self, queues: Sequence[str], n: int, acks: Sequence[Pair] = (),
                         wait: WaitPlan | None = None) -> tuple[sql.Composed, dict[str, Any]]:
@@ -560,6 +562,14 @@ class QueueCore:
             "waiter": wait.waiter, "register": list(wait.register),
             "barrier": list(wait.barrier), "schema_name": self.schema,
         }
+
+    def claim_wire(self, queues: Sequence[str], n: int, acks: Sequence[Pair] = (),
+                   wait: WaitPlan | None = None) -> tuple[bytes, list[Any]]:
+        """:meth:`claim_statement` as it is sent: numbered placeholders and their values in
+        order, for a raw cursor (see :func:`kombu_pgjobs.sql.positional`)."""
+        _, params = self.claim_statement(queues, n, acks, wait)
+        query, keys = positional(self.schema, "job_claim", n)
+        return query, [params[k] for k in keys]
 
     def hold_waiter(self, conn: psycopg.Connection, waiter: int) -> None:
         """Take wake id ``waiter``'s lock for the life of ``conn`` (its registrations are

@@ -46,6 +46,7 @@ from .url import parse as parse_url
 __all__ = [
     "DEFAULT_EMBEDDED_DB",
     "KEEPALIVES",
+    "RawTimeoutTranslatingCursor",
     "TimeoutTranslatingCursor",
     "connect",
     "conninfo_from_parts",
@@ -300,7 +301,7 @@ def _query_ssl(query: str) -> Any:
     return tls or None
 
 
-class TimeoutTranslatingCursor(psycopg.Cursor[Any]):
+class _TranslatesTimeouts:
     """A statement cancelled by lock_timeout (55P03) or statement_timeout (57014) raises
     :class:`DatabaseTimeout`, a channel error with a code, instead of psycopg's
     ``OperationalError``, which kombu would take for a broken connection (and Celery would
@@ -309,15 +310,25 @@ class TimeoutTranslatingCursor(psycopg.Cursor[Any]):
     def execute(self, query: Any, params: Any = None, *, prepare: bool | None = None,
                 binary: bool | None = None) -> Any:
         try:
-            return super().execute(query, params, prepare=prepare, binary=binary)
+            return super().execute(query, params,  # type: ignore[misc]
+                                   prepare=prepare, binary=binary)
         except (psycopg.errors.LockNotAvailable, psycopg.errors.QueryCanceled) as exc:
             raise timeout_error(exc) from exc
 
     def executemany(self, query: Any, params_seq: Any, *, returning: bool = False) -> None:
         try:
-            super().executemany(query, params_seq, returning=returning)
+            super().executemany(query, params_seq, returning=returning)  # type: ignore[misc]
         except (psycopg.errors.LockNotAvailable, psycopg.errors.QueryCanceled) as exc:
             raise timeout_error(exc) from exc
+
+
+class TimeoutTranslatingCursor(_TranslatesTimeouts, psycopg.Cursor[Any]):
+    """Every pgjobs connection's cursor: timeouts raise :class:`DatabaseTimeout`."""
+
+
+class RawTimeoutTranslatingCursor(_TranslatesTimeouts, psycopg.RawCursor[Any]):
+    """The same for a statement whose placeholders are numbered (``$1``; see
+    :func:`kombu_pgjobs.sql.positional`)."""
 
 
 def timeout_error(exc: psycopg.Error) -> DatabaseTimeout:

@@ -40,11 +40,14 @@ SUPPORTED = hasattr(psycopg.Cursor, "_execute_gen")
 
 
 class InFlight:
-    """One statement in flight on ``conn``; nothing else may use ``conn`` until it is done."""
+    """One statement in flight on ``conn``; nothing else may use ``conn`` until it is done.
+    Its placeholders are numbered (``$1``...) and ``params`` a sequence: it goes through a raw
+    cursor, which sends the text as it is (see :func:`kombu_pgjobs.sql.positional`)."""
 
-    def __init__(self, conn: psycopg.Connection[Any], query: Any, params: Any) -> None:
+    def __init__(self, conn: psycopg.Connection[Any], query: bytes,
+                 params: list[Any]) -> None:
         self.conn = conn
-        self.cursor = conn.cursor()
+        self.cursor: psycopg.RawCursor[Any] = psycopg.RawCursor(conn)
         self.done = False
         self._gen = self.cursor._execute_gen(query, params)
         self._advance(None)  # send it

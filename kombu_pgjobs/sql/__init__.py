@@ -13,7 +13,7 @@ from importlib import resources
 
 from psycopg import sql
 
-__all__ = ["queries", "raw_queries", "with_limit"]
+__all__ = ["positional", "queries", "raw_queries", "with_limit"]
 
 _HEADER = re.compile(r"^-- name: (\w+)(?: :\w+)?\s*$", re.MULTILINE)
 
@@ -53,3 +53,28 @@ def with_limit(schema: str, name: str, limit: int) -> sql.Composed:
     planner assume a tenth of the table and sort it)."""
     return sql.SQL(raw_queries()[name]).format(  # type: ignore[arg-type]
         schema=sql.Identifier(schema), limit=sql.Literal(int(limit)))
+
+
+_PLACEHOLDER = re.compile(rb"%(?:\((\w+)\)s|%)")
+
+
+@cache
+def positional(schema: str, name: str, limit: int) -> tuple[bytes, tuple[str, ...]]:
+    """Statement ``name`` as :func:`with_limit` writes it, its ``%(key)s`` placeholders
+    numbered once (``$1``, ``$2``...), and the keys in that order: for a raw cursor.
+
+    psycopg parses a statement's text for placeholders on every execute, and caches the
+    result only for statements under 4 kB; the claim is longer, and that parse was about
+    70 µs of the consumer's CPU per claim. A raw cursor sends the numbered text as it is."""
+    text = with_limit(schema, name, limit).as_bytes(None)
+    keys: list[str] = []
+
+    def number(found: re.Match[bytes]) -> bytes:
+        if found.group(1) is None:
+            return b"%"  # %% is a literal %
+        key = found.group(1).decode()
+        if key not in keys:
+            keys.append(key)
+        return b"$%d" % (keys.index(key) + 1)
+
+    return _PLACEHOLDER.sub(number, text), tuple(keys)
