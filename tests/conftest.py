@@ -7,11 +7,14 @@ reason, so a missing database is never mistaken for a pass.
 
 from __future__ import annotations
 
+import fcntl
 import importlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -175,3 +178,101 @@ def import_app(module: str, schema: str, url: str, **env: str) -> Any:
     finally:
         os.environ.clear()
         os.environ.update(saved)
+
+
+# -- Running in parallel (pytest-xdist) and the ``exclusive`` marker ---------------------------
+#
+# pyproject's addopts run the suite on several xdist workers (``-n``, ``--dist loadgroup``). Every
+# test has its own schema, so tests share the server safely, except the few marked
+# ``@pytest.mark.exclusive``: they disturb more than their own schema (a server, a database or a
+# port they do not own, a timing bound that another test's load would break). An exclusive test
+# runs with no other test of this run in progress on any worker:
+#
+# * all of them are put in one xdist group (so one worker runs them back to back, and the others
+#   pause once, not once per exclusive test) and sorted first;
+# * a reader/writer lock across the workers of the run (flock on two files): every test holds
+#   the lock shared from its setup to its teardown, an exclusive one holds it exclusively (kept
+#   across consecutive exclusive tests). Both pass a turnstile first, so a waiting exclusive test
+#   stops new tests from starting and is never starved by them.
+#
+# Without xdist (``-p no:xdist`` or ``-n 0``) the lock does nothing: tests run one at a time.
+
+EXCLUSIVE_GROUP = "exclusive"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Exclusive tests first, in one xdist group, then the slow ones and those starting worker
+    processes (so the longest do not start last); otherwise collection order (a stable sort)."""
+    if config.pluginmanager.hasplugin("xdist"):
+        for item in items:
+            if item.get_closest_marker("exclusive"):
+                item.add_marker(pytest.mark.xdist_group(EXCLUSIVE_GROUP))
+    items.sort(key=lambda item: (item.get_closest_marker("exclusive") is None,
+                                 item.get_closest_marker("slow") is None,
+                                 item.get_closest_marker("e2e") is None))
+
+
+class RunLock:
+    """A reader/writer lock shared by the worker processes of one run, with a turnstile."""
+
+    def __init__(self, directory: Path) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        self._gate = open(directory / "gate.lock", "a+b")  # held for the session
+        self._rw = open(directory / "rw.lock", "a+b")
+        self.held: str | None = None
+
+    def acquire(self, mode: str) -> None:
+        if self.held == mode:
+            return
+        self.release()
+        fcntl.flock(self._gate, fcntl.LOCK_EX)  # the turnstile: in arrival order, one at a time
+        try:
+            fcntl.flock(self._rw, fcntl.LOCK_EX if mode == "exclusive" else fcntl.LOCK_SH)
+        finally:
+            fcntl.flock(self._gate, fcntl.LOCK_UN)
+        self.held = mode
+
+    def release(self) -> None:
+        if self.held is not None:
+            fcntl.flock(self._rw, fcntl.LOCK_UN)
+            self.held = None
+
+
+_run_lock: RunLock | None = None
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:
+    """(xdist controller) every worker of this run gets the same lock directory."""
+    node.workerinput["pgjobs_lock_dir"] = node.config._pgjobs_lock_dir
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    global _run_lock
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is None:  # the controller, or a run without xdist
+        config._pgjobs_lock_dir = tempfile.mkdtemp(prefix="pgjobs-pytest-lock-")
+    elif "pgjobs_lock_dir" in workerinput:
+        _run_lock = RunLock(Path(workerinput["pgjobs_lock_dir"]))
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if getattr(config, "workerinput", None) is None and hasattr(config, "_pgjobs_lock_dir"):
+        shutil.rmtree(config._pgjobs_lock_dir, ignore_errors=True)
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """Outermost (before pytest-timeout's clock starts): wait for the lock, run setup, call and
+    teardown under it; an exclusive test followed by another keeps the lock for it."""
+    if _run_lock is None:
+        yield
+        return
+    exclusive = item.get_closest_marker("exclusive") is not None
+    _run_lock.acquire("exclusive" if exclusive else "shared")
+    try:
+        yield
+    finally:
+        if not (exclusive and nextitem is not None
+                and nextitem.get_closest_marker("exclusive") is not None):
+            _run_lock.release()
