@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import fcntl
 import importlib
+import json
 import os
 import shutil
 import signal
@@ -182,34 +183,61 @@ def import_app(module: str, schema: str, url: str, **env: str) -> Any:
 
 # -- Running in parallel (pytest-xdist) and the ``exclusive`` marker ---------------------------
 #
-# pyproject's addopts run the suite on several xdist workers (``-n``, ``--dist loadgroup``). Every
-# test has its own schema, so tests share the server safely, except the few marked
-# ``@pytest.mark.exclusive``: they disturb more than their own schema (a server, a database or a
-# port they do not own, a timing bound that another test's load would break). An exclusive test
-# runs with no other test of this run in progress on any worker:
+# pyproject's addopts run the suite on several xdist workers (``-n 3``). Every test has its own
+# schema, so tests share the server safely, except the few marked ``@pytest.mark.exclusive``:
+# they disturb more than their own schema (a server they restart, two clusters, a bouncer) or
+# hold a timing bound that the load of other tests would break. An exclusive test runs with no
+# other test of this run in progress on any worker:
 #
-# * all of them are put in one xdist group (so one worker runs them back to back, and the others
-#   pause once, not once per exclusive test) and sorted first;
+# * they are sorted first, and the scheduler (``load``/``loadgroup``) sends all of them to one
+#   worker as one unit, so they run back to back and the other workers pause once, not once per
+#   exclusive test (the workers list their exclusive tests in a file the scheduler reads);
 # * a reader/writer lock across the workers of the run (flock on two files): every test holds
 #   the lock shared from its setup to its teardown, an exclusive one holds it exclusively (kept
 #   across consecutive exclusive tests). Both pass a turnstile first, so a waiting exclusive test
 #   stops new tests from starting and is never starved by them.
 #
-# Without xdist (``-p no:xdist`` or ``-n 0``) the lock does nothing: tests run one at a time.
+# The lock waits come before pytest-timeout's clock starts. Run ``-n 0`` for one process (the
+# lock then does nothing: tests run one at a time anyway).
 
-EXCLUSIVE_GROUP = "exclusive"
+EXCLUSIVE_LIST = "exclusive.json"
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Exclusive tests first, in one xdist group, then the slow ones and those starting worker
-    processes (so the longest do not start last); otherwise collection order (a stable sort)."""
-    if config.pluginmanager.hasplugin("xdist"):
-        for item in items:
-            if item.get_closest_marker("exclusive"):
-                item.add_marker(pytest.mark.xdist_group(EXCLUSIVE_GROUP))
+    """Exclusive tests first, then the slow ones and those starting worker processes (so the
+    longest do not start last); otherwise collection order (a stable sort). A worker lists its
+    exclusive tests for the scheduler."""
     items.sort(key=lambda item: (item.get_closest_marker("exclusive") is None,
                                  item.get_closest_marker("slow") is None,
                                  item.get_closest_marker("e2e") is None))
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput and "pgjobs_lock_dir" in workerinput:
+        listing = Path(workerinput["pgjobs_lock_dir"]) / EXCLUSIVE_LIST
+        tmp = listing.with_suffix(f".{workerinput['workerid']}")
+        tmp.write_text(json.dumps([i.nodeid for i in items if i.get_closest_marker("exclusive")]))
+        os.replace(tmp, listing)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """(xdist controller) ``load`` scheduling, but every exclusive test in one unit of work."""
+    if config.getvalue("dist") not in ("load", "loadgroup"):
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    listing = Path(config._pgjobs_lock_dir) / EXCLUSIVE_LIST
+
+    class ExclusiveTogether(LoadScopeScheduling):
+        exclusive: frozenset[str] | None = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self.exclusive is None:  # read once the workers have collected
+                self.exclusive = frozenset(
+                    json.loads(listing.read_text()) if listing.exists() else ())
+            return "exclusive" if nodeid in self.exclusive else nodeid
+
+    return ExclusiveTogether(config, log)
 
 
 class RunLock:
