@@ -189,9 +189,10 @@ def import_app(module: str, schema: str, url: str, **env: str) -> Any:
 # hold a timing bound that the load of other tests would break. An exclusive test runs with no
 # other test of this run in progress on any worker:
 #
-# * they are sorted first, and the scheduler (``load``/``loadgroup``) sends all of them to one
-#   worker as one unit, so they run back to back and the other workers pause once, not once per
-#   exclusive test (the workers list their exclusive tests in a file the scheduler reads);
+# * they are sorted last, and the scheduler (``load``/``loadgroup``) sends all of them to one
+#   worker as one unit, so they run back to back at the end and the other workers stop once (by
+#   then they run short tests: the slow ones are sorted first), not once per exclusive test (the
+#   workers list their exclusive tests in a file the scheduler reads);
 # * a reader/writer lock across the workers of the run (flock on two files): every test holds
 #   the lock shared from its setup to its teardown, an exclusive one holds it exclusively (kept
 #   across consecutive exclusive tests). Both pass a turnstile first, so a waiting exclusive test
@@ -205,10 +206,10 @@ EXCLUSIVE_LIST = "exclusive.json"
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Exclusive tests first, then the slow ones and those starting worker processes (so the
-    longest do not start last); otherwise collection order (a stable sort). A worker lists its
-    exclusive tests for the scheduler."""
-    items.sort(key=lambda item: (item.get_closest_marker("exclusive") is None,
+    """The slow tests first, then those starting worker processes (so the longest do not start
+    last), the exclusive ones last; otherwise collection order (a stable sort). A worker lists
+    its exclusive tests for the scheduler."""
+    items.sort(key=lambda item: (item.get_closest_marker("exclusive") is not None,
                                  item.get_closest_marker("slow") is None,
                                  item.get_closest_marker("e2e") is None))
     workerinput = getattr(config, "workerinput", None)
@@ -221,11 +222,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """(xdist controller) ``load`` scheduling, but every exclusive test in one unit of work."""
+    """(xdist controller) ``load`` scheduling, but every exclusive test in one unit of work;
+    units in collection order (not the largest first)."""
     if config.getvalue("dist") not in ("load", "loadgroup"):
         return None
     from xdist.scheduler import LoadScopeScheduling
 
+    config.option.loadscopereorder = False
     listing = Path(config._pgjobs_lock_dir) / EXCLUSIVE_LIST
 
     class ExclusiveTogether(LoadScopeScheduling):
