@@ -3,6 +3,11 @@
 The DSN comes from PGJOBS_TEST_DSN (default postgresql://postgres@127.0.0.1:5432/test). When
 Postgres cannot be reached the tests that need it FAIL under CI=true and skip elsewhere with the
 reason, so a missing database is never mistaken for a pass.
+
+The suite runs on several pytest-xdist workers. ``@pytest.mark.exclusive`` marks a test that must
+have the server to itself (it restarts or fails over a server, terminates every backend, runs a
+bouncer, or asserts a tight timing bound): no other test is in progress while it runs. See
+"Running in parallel" below.
 """
 
 from __future__ import annotations
