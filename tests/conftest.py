@@ -253,7 +253,7 @@ class RunLock:
 
     def __init__(self, directory: Path) -> None:
         directory.mkdir(parents=True, exist_ok=True)
-        self._gate = open(directory / "gate.lock", "a+b")  # held for the session
+        self._gate = open(directory / "gate.lock", "a+b")  # both open for the session
         self._rw = open(directory / "rw.lock", "a+b")
         self.held: str | None = None
 
