@@ -3,15 +3,24 @@
 The DSN comes from PGJOBS_TEST_DSN (default postgresql://postgres@127.0.0.1:5432/test). When
 Postgres cannot be reached the tests that need it FAIL under CI=true and skip elsewhere with the
 reason, so a missing database is never mistaken for a pass.
+
+The suite runs on several pytest-xdist workers. ``@pytest.mark.exclusive`` marks a test that must
+have the server to itself (it restarts or fails over a server, terminates every backend, runs a
+bouncer, or asserts a tight timing bound): no other test is in progress while it runs. See
+"Running in parallel" below.
 """
 
 from __future__ import annotations
 
+import fcntl
 import importlib
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -190,11 +199,139 @@ def second_database(dsn: str, schema: str) -> Iterator[str]:
                         (SECOND_DATABASE,)).fetchone() is None:
             try:
                 conn.execute(f'CREATE DATABASE "{SECOND_DATABASE}"')
-            except psycopg.errors.DuplicateDatabase:  # another run created it meanwhile
-                pass
+            except (psycopg.errors.DuplicateDatabase, psycopg.errors.UniqueViolation):
+                pass  # another test (or run) created it meanwhile
     base = broker_url()
     yield base.rsplit("/", 1)[0] + "/" + SECOND_DATABASE
     release_all()
     second = psycopg.conninfo.make_conninfo(DSN, dbname=SECOND_DATABASE)
     with psycopg.connect(second, autocommit=True) as conn:
         conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+
+
+# -- Running in parallel (pytest-xdist) and the ``exclusive`` marker ---------------------------
+#
+# pyproject's addopts run the suite on several xdist workers (``-n 3``). Every test has its own
+# schema, so tests share the server safely, except the few marked ``@pytest.mark.exclusive``:
+# they disturb more than their own schema (a server they restart, two clusters, a bouncer) or
+# hold a timing bound that the load of other tests would break. An exclusive test runs with no
+# other test of this run in progress on any worker:
+#
+# * they are sorted last, and the scheduler (``load``/``loadgroup``) sends all of them to one
+#   worker as one unit, so they run back to back at the end and the other workers stop once (by
+#   then they run short tests: the slow ones are sorted first), not once per exclusive test (the
+#   workers list their exclusive tests in a file the scheduler reads);
+# * a reader/writer lock across the workers of the run (flock on two files): every test holds
+#   the lock shared from its setup to its teardown, an exclusive one holds it exclusively (kept
+#   across consecutive exclusive tests). Both pass a turnstile first, so a waiting exclusive test
+#   stops new tests from starting and is never starved by them.
+#
+# The lock waits come before pytest-timeout's clock starts. Run ``-n 0`` for one process (the
+# lock then does nothing: tests run one at a time anyway).
+
+EXCLUSIVE_LIST = "exclusive.json"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The slow tests first, then those starting worker processes (so the longest do not start
+    last), the exclusive ones last; otherwise collection order (a stable sort). A worker lists
+    its exclusive tests for the scheduler."""
+    items.sort(key=lambda item: (item.get_closest_marker("exclusive") is not None,
+                                 item.get_closest_marker("slow") is None,
+                                 item.get_closest_marker("e2e") is None))
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput and "pgjobs_lock_dir" in workerinput:
+        listing = Path(workerinput["pgjobs_lock_dir"]) / EXCLUSIVE_LIST
+        tmp = listing.with_suffix(f".{workerinput['workerid']}")
+        tmp.write_text(json.dumps([i.nodeid for i in items if i.get_closest_marker("exclusive")]))
+        os.replace(tmp, listing)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """(xdist controller) ``load`` scheduling, but every exclusive test in one unit of work;
+    units in collection order (not the largest first)."""
+    if config.getvalue("dist") not in ("load", "loadgroup"):
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    config.option.loadscopereorder = False
+    listing = Path(config._pgjobs_lock_dir) / EXCLUSIVE_LIST
+
+    class ExclusiveTogether(LoadScopeScheduling):
+        exclusive: frozenset[str] | None = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self.exclusive is None:  # read once the workers have collected
+                self.exclusive = frozenset(
+                    json.loads(listing.read_text()) if listing.exists() else ())
+            return "exclusive" if nodeid in self.exclusive else nodeid
+
+    return ExclusiveTogether(config, log)
+
+
+class RunLock:
+    """A reader/writer lock shared by the worker processes of one run, with a turnstile."""
+
+    def __init__(self, directory: Path) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        self._gate = open(directory / "gate.lock", "a+b")  # both open for the session
+        self._rw = open(directory / "rw.lock", "a+b")
+        self.held: str | None = None
+
+    def acquire(self, mode: str) -> None:
+        if self.held == mode:
+            return
+        self.release()
+        fcntl.flock(self._gate, fcntl.LOCK_EX)  # the turnstile: in arrival order, one at a time
+        try:
+            fcntl.flock(self._rw, fcntl.LOCK_EX if mode == "exclusive" else fcntl.LOCK_SH)
+        finally:
+            fcntl.flock(self._gate, fcntl.LOCK_UN)
+        self.held = mode
+
+    def release(self) -> None:
+        if self.held is not None:
+            fcntl.flock(self._rw, fcntl.LOCK_UN)
+            self.held = None
+
+
+_run_lock: RunLock | None = None
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:
+    """(xdist controller) every worker of this run gets the same lock directory."""
+    node.workerinput["pgjobs_lock_dir"] = node.config._pgjobs_lock_dir
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    global _run_lock
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is None:  # the controller, or a run without xdist
+        config._pgjobs_lock_dir = tempfile.mkdtemp(prefix="pgjobs-pytest-lock-")
+    elif "pgjobs_lock_dir" in workerinput:
+        _run_lock = RunLock(Path(workerinput["pgjobs_lock_dir"]))
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if getattr(config, "workerinput", None) is None and hasattr(config, "_pgjobs_lock_dir"):
+        shutil.rmtree(config._pgjobs_lock_dir, ignore_errors=True)
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """Outermost (before pytest-timeout's clock starts): wait for the lock, run setup, call and
+    teardown under it; an exclusive test followed by another keeps the lock for it."""
+    if _run_lock is None:
+        yield
+        return
+    exclusive = item.get_closest_marker("exclusive") is not None
+    _run_lock.acquire("exclusive" if exclusive else "shared")
+    try:
+        yield
+    finally:
+        if not (exclusive and nextitem is not None
+                and nextitem.get_closest_marker("exclusive") is not None):
+            _run_lock.release()

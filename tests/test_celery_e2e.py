@@ -177,16 +177,14 @@ def test_warm_shutdown_hands_back_prefetched_uncounted(db, recorder_tables, url,
 
 def test_connections_per_worker_do_not_grow_with_queues(db, recorder_tables, start_worker):
     """Claim+LISTEN, publish and keeper connections: three, for one queue or six."""
-    counts = []
-    for n_queues in (1, 6):
-        name = f"pgjt_conn_{n_queues}_{recorder_tables[-6:]}"
-        queues = ",".join(f"q{i}" for i in range(n_queues))
-        w = start_worker(name=f"c{n_queues}", concurrency=2, env={"PGJOBS_TEST_APPNAME": name},
-                         extra=["-Q", queues])
-        time.sleep(12)  # past the first keeper tick (lease_ttl / 3)
-        counts.append(db.execute(
-            "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s",
-            (name,)).fetchone()[0])
+    names = {n: f"pgjt_conn_{n}_{recorder_tables[-6:]}" for n in (1, 6)}
+    workers = [start_worker(name=f"c{n}", concurrency=2, env={"PGJOBS_TEST_APPNAME": name},
+                            extra=["-Q", ",".join(f"q{i}" for i in range(n))])
+               for n, name in names.items()]  # side by side: each counted by its own name
+    time.sleep(12)  # past the first keeper tick (lease_ttl / 3)
+    counts = [db.execute("SELECT count(*) FROM pg_stat_activity WHERE application_name = %s",
+                         (name,)).fetchone()[0] for name in names.values()]
+    for w in workers:
         w.stop()
     assert counts == [3, 3], counts
 

@@ -106,6 +106,7 @@ def test_cancel_by_task_id(db, parity, recorder_tables, url, capsys):
     assert code != 0 and out["error"]["code"] == "PGJ-401", out
 
 
+@pytest.mark.exclusive  # timing bound: the task starts within 1.5 s of the promote
 def test_promote_runs_the_delayed_task_within_a_second(
         db, parity, recorder_tables, url, start_worker, capsys):
     schema = recorder_tables

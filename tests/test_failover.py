@@ -23,7 +23,8 @@ from kombu_pgjobs.errors import DatabaseUnavailable
 from tests.conftest import wait_for
 from tests.pgserver import PrivateServer, _free_port, require_bindir
 
-pytestmark = pytest.mark.e2e
+# exclusive (tests/conftest.py): two private clusters, pg_basebackup, ALTER SYSTEM, a promotion
+pytestmark = [pytest.mark.e2e, pytest.mark.exclusive]
 
 
 @pytest.fixture

@@ -19,7 +19,9 @@ from kombu import Connection
 from tests.conftest import wait_for
 from tests.pgserver import PrivateServer, require_bindir
 
-pytestmark = pytest.mark.e2e
+# exclusive (tests/conftest.py): restarts its server and terminates every backend on it (a
+# private server, but whole-server faults under workers with timing bounds)
+pytestmark = [pytest.mark.e2e, pytest.mark.exclusive]
 
 
 @pytest.fixture

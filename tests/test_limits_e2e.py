@@ -182,6 +182,7 @@ def test_a_deploy_that_raises_a_cap_never_stops_the_key(db, spans, url, start_wo
     assert "TriggeredDataChangeViolation" not in w.output()
 
 
+@pytest.mark.exclusive  # timing bound: gaps under 0.5 s between a release and the next start
 def test_a_released_slot_wakes_the_next_message_at_once(db, spans, url, start_worker):
     """One worker, one key with cap 1, six 0.2 s tasks: each release wakes the next parked
     message and the worker claims it at once. The wake-up's NOTIFY comes back on the claim

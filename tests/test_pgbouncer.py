@@ -35,6 +35,10 @@ from kombu_pgjobs.schema import migrate
 from .conftest import wait_for
 from .pgbouncer import PgBouncer, find_pgbouncer
 
+# exclusive (tests/conftest.py): a private PgBouncer with a single server connection, and
+# cancel/timeout bounds measured through it
+pytestmark = pytest.mark.exclusive
+
 PGJOBS = shutil.which("pgjobs", path=str(Path(sys.executable).parent)) or "pgjobs"
 #: Session timeouts sent as startup parameters (libpq ``options``) are refused by a stock
 #: PgBouncer; where the transport has such options, the documented setting behind a bouncer

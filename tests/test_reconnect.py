@@ -192,7 +192,7 @@ def test_listen_only_while_consuming(connect, schema):
         conn.drain_events(timeout=0.3)
     except TimeoutError:
         pass
-    # the schema's channel, and the connection's own wake-one channel (waiting.py)
+    # the schema's channel and the connection's own wake channel (kombu_pgjobs.waiting)
     assert sorted(listening()) == sorted([f"pgjobs.{schema}", consumer.waits.channel])
     for tag in list(channel._consumers):
         channel.basic_cancel(tag)

@@ -503,6 +503,7 @@ def test_other_broker_through_the_outbox_stages_each_fire_in_its_own_transaction
 
 
 # -- idle cost -------------------------------------------------------------------------------
+@pytest.mark.exclusive  # timing bound: statements counted per 0.5 s election round
 def test_idle_cost_is_one_statement_per_election_round(dsn, schema):
     """An idle leader (nothing due) sends one statement per election round (every third of the
     lease TTL) and nothing else; an idle follower the same. Counted on the wire by a proxy.
@@ -519,7 +520,8 @@ def test_idle_cost_is_one_statement_per_election_round(dsn, schema):
         follower = LeaderScheduler(app=_app(url, schema, schedule))
         try:
             leading = wait_for(lambda: next((s for s in (leader, follower)
-                                             if s.elector.current().leading), None), 10,
+                                             if (s.elector.current() or None)
+                                             and s.elector.current().leading), None), 10,
                                what="a leader")
             leading.tick()  # elected: writes and loads the entries
             before = wire.count()
@@ -552,6 +554,7 @@ def _leading(s: LeaderScheduler) -> bool:
     return lease is not None and lease.leading
 
 
+@pytest.mark.exclusive  # timing bound: a takeover within 2.5 lease TTLs of 1.5 s
 def test_leader_that_loses_the_database_is_replaced(db, dsn, schema, url):
     """The leader reaches PostgreSQL through a proxy that is then cut: it stops leading (its
     renewals fail), and a follower takes over within about one lease TTL and fires."""

@@ -70,6 +70,7 @@ def test_unconfirmed_publishes_are_queued_once_in_order_and_seen_by_their_proces
     assert db.execute(f'SELECT count(*) FROM "{schema}".pgjobs_job').fetchone() == (0,)
 
 
+@pytest.mark.exclusive  # timing bound: a publish must return within 0.25 s
 def test_a_refused_statement_is_raised_at_the_next_publish_and_loses_only_its_message(
         connect: Callable[..., kombu.Connection], db: psycopg.Connection[Any],
         schema: str) -> None:

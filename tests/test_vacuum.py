@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import psycopg
+import pytest
 
 from kombu_pgjobs.core import QueueCore, job_from_message
 from kombu_pgjobs.schema import migrate
@@ -18,6 +19,9 @@ def _dead(db: psycopg.Connection[Any], schema: str) -> int:
                       (f'"{schema}".pgjobs_job',)).fetchone()[0]
 
 
+# exclusive (tests/conftest.py): VACUUM removes the dead rows only when no other transaction in
+# the database holds an older snapshot, and other tests keep transactions open
+@pytest.mark.exclusive
 def test_keeper_vacuums_when_autovacuum_is_off(db, schema):
     migrate(db, schema)
     core = QueueCore(schema, lease_ttl=30, max_attempts=5)

@@ -20,6 +20,7 @@ from typing import Any
 
 import kombu
 import psycopg
+import pytest
 
 from kombu_pgjobs import outbox
 
@@ -126,6 +127,7 @@ def test_a_publish_wakes_one_registered_consumer_and_nobody_when_none_waits(
         producer.release()
 
 
+@pytest.mark.exclusive  # timing bound: every message within 1 s of its commit
 def test_no_publish_is_missed_while_consumers_go_idle_and_publishers_commit_late(
         url: str, schema: str, db: psycopg.Connection[Any]) -> None:
     """Publishers race consumers registering: plain publishes at random gaps, and publishes
