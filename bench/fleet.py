@@ -74,7 +74,7 @@ from celery import group
 from bench.brokers import PG_ADMIN_DSN, ensure_database, pg_dsn
 from bench.measure import REPO_ROOT
 from bench.pgidle import tcp_writes
-from bench.report import summarize
+from bench.report import cell, summarize
 from bench.worker import Worker, stop_all
 from kombu_pgjobs.schema import migrate
 
@@ -363,19 +363,23 @@ def drain_phase(args: argparse.Namespace, pool: str, n: int, root: Path) -> dict
             "drain_xacts_per_message": (xacts() - x0) / args.drain}
 
 
-def probe_phase(listeners: int, notifies: int, gap: float) -> int:
-    """Transactions of ``listeners`` idle LISTENing connections while another sends
-    ``notifies`` NOTIFYs on another channel, ``gap`` s apart (connections included)."""
+def probe_phase(listeners: int, notifies: int, gap: float = 0.0,
+                sender_database: str = DATABASE, payload: str = "") -> int:
+    """Transactions of ``listeners`` idle LISTENing connections here while another connection,
+    to ``sender_database``, sends ``notifies`` NOTIFYs on another channel, ``gap`` s apart
+    (connections included)."""
     quiet()
     x0 = xacts()
     conns = [psycopg.connect(pg_dsn(DATABASE), autocommit=True) for _ in range(listeners)]
+    notify = f"NOTIFY {PROBE_CHANNEL}_other" + (f", '{payload}'" if payload else "")
     try:
         for c in conns:
             c.execute(f"LISTEN {PROBE_CHANNEL}")
-        with psycopg.connect(pg_dsn(DATABASE), autocommit=True) as sender:
+        with psycopg.connect(pg_dsn(sender_database), autocommit=True) as sender:
             for _ in range(notifies):
-                sender.execute(f"NOTIFY {PROBE_CHANNEL}_other")
-                time.sleep(gap)
+                sender.execute(notify)
+                if gap:
+                    time.sleep(gap)
             time.sleep(0.5)
     finally:
         for c in conns:
@@ -399,21 +403,7 @@ def cross_database_reads(listeners: int, notifies: int) -> dict[str, float]:
     ensure_database(OTHER_DATABASE)
 
     def phase(m: int) -> int:
-        quiet()
-        x0 = xacts()
-        conns = [psycopg.connect(pg_dsn(DATABASE), autocommit=True) for _ in range(listeners)]
-        try:
-            for c in conns:
-                c.execute(f"LISTEN {PROBE_CHANNEL}")
-            with psycopg.connect(pg_dsn(OTHER_DATABASE), autocommit=True) as sender:
-                for _ in range(m):
-                    sender.execute(f"NOTIFY {PROBE_CHANNEL}_other, 'bench'")
-                time.sleep(0.5)
-        finally:
-            for c in conns:
-                c.close()
-        quiet()
-        return xacts() - x0
+        return probe_phase(listeners, m, sender_database=OTHER_DATABASE, payload="bench")
 
     reads = (phase(notifies) - phase(0)) / listeners
     return {"listeners": listeners, "notifies": notifies, "reads_per_listener": reads,
@@ -483,13 +473,7 @@ ROWS = (
 
 
 def _cell(values: list[float], fmt: str, runs: int) -> str:
-    s = summarize(values)
-    if not s:
-        return "-"
-    text = fmt.format(s["median"])
-    if s["n"] > 1:
-        text += f" ({fmt.format(s['min'])}..{fmt.format(s['max'])})"
-    return text + (f" [{s['n']}/{runs}]" if s["n"] < runs else "")
+    return cell(summarize(values), fmt, runs)
 
 
 def add_ratios(cases: list[dict[str, Any]]) -> None:

@@ -89,7 +89,7 @@ def build(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return summary
 
 
-def _cell(s: dict[str, float] | None, fmt: str, runs: int) -> str:
+def cell(s: dict[str, float] | None, fmt: str, runs: int) -> str:
     """``median (min..max)``; ``[k/runs]`` when only k runs produced the figure."""
     if not s:
         return "-"
@@ -113,10 +113,10 @@ def markdown(results: dict[str, dict[str, Any]], meta: dict[str, Any]) -> str:
                 row.append("skipped")
                 continue
             s = summary["brokers"][name].get(f.key)
-            row.append(_cell(s, f.fmt, len(res["runs"])))
+            row.append(cell(s, f.fmt, len(res["runs"])))
         for o in ratio_cols:
             s = summary["ratios"].get(f"{REFERENCE}/{o}", {}).get(f.key)
-            row.append(_cell(s, "{:.2f}x", meta["runs"]) if f.ratio else "")
+            row.append(cell(s, "{:.2f}x", meta["runs"]) if f.ratio else "")
         rows.append(row)
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
 
