@@ -74,6 +74,7 @@ from celery import group
 from bench.brokers import PG_ADMIN_DSN, ensure_database, pg_dsn
 from bench.measure import REPO_ROOT
 from bench.pgidle import tcp_writes
+from bench.pgstats import settle, transactions
 from bench.report import cell, summarize
 from bench.worker import Worker, stop_all
 from kombu_pgjobs.schema import migrate
@@ -117,27 +118,14 @@ def setup() -> None:
 
 
 def xacts() -> int:
-    with psycopg.connect(PG_ADMIN_DSN, autocommit=True) as admin:
-        row = admin.execute("SELECT xact_commit + xact_rollback FROM pg_stat_database"
-                            " WHERE datname = %s", (DATABASE,)).fetchone()
-    return int(row[0]) if row else 0
-
-
-def backends() -> int:
-    with psycopg.connect(PG_ADMIN_DSN, autocommit=True) as admin:
-        row = admin.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = %s",
-                            (DATABASE,)).fetchone()
-    return int(row[0]) if row else 0
+    return transactions(DATABASE)
 
 
 def quiet(timeout: float = 30.0) -> None:
     """Wait until no backend is connected to the database: each has reported its counts."""
-    deadline = time.monotonic() + timeout
-    while (left := backends()) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    left = settle(DATABASE, timeout)
     if left:
         raise PhaseFailed(f"{left} backend(s) still connected to {DATABASE} after {timeout:g}s")
-    time.sleep(0.3)
 
 
 # -- workers -----------------------------------------------------------------------------------

@@ -55,6 +55,7 @@ import kombu
 import psycopg
 
 from bench.brokers import PG_ADMIN_DSN, pg_dsn
+from bench.pgstats import settle, transactions
 from kombu_pgjobs.backend import release_all
 from kombu_pgjobs.schema import migrate
 
@@ -151,25 +152,12 @@ def publish_rate(threads: int, seconds: float, *, durable: bool = True) -> float
 
 # -- (b) transactions per message --------------------------------------------------------------
 def _xacts() -> int:
-    with psycopg.connect(PG_ADMIN_DSN, autocommit=True) as admin:
-        row = admin.execute("SELECT xact_commit + xact_rollback FROM pg_stat_database "
-                            "WHERE datname = %s", (DATABASE,)).fetchone()
-    return int(row[0]) if row else 0
-
-
-def _others() -> int:
-    with psycopg.connect(PG_ADMIN_DSN, autocommit=True) as admin:
-        row = admin.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = %s",
-                            (DATABASE,)).fetchone()
-    return int(row[0]) if row else 0
+    return transactions(DATABASE)
 
 
 def _quiet(timeout: float = 15.0) -> None:
     """Wait until no backend is connected to the database (each reported its counters)."""
-    deadline = time.monotonic() + timeout
-    while _others() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    time.sleep(0.3)
+    settle(DATABASE, timeout)
 
 
 def consume_phase(consumers: int, messages: int, gap: float,
