@@ -187,7 +187,9 @@ class ConsumerLoop:
             if self.waits.waiter is not None:
                 core.unwait(conn, self.waits.waiter)
             conn.execute(sql.SQL("UNLISTEN *"))
-            self.waits.stop()
+            passed = self.waits.stop()  # wake-ups read meanwhile go to the others
+            if passed:
+                core.wake_all(conn, sorted(passed))
         self.listening = want
 
     def stop_listening(self) -> None:
@@ -569,12 +571,14 @@ class ConsumerLoop:
             if free is None:
                 free = self.options.max_claim
             if free <= 0:
+                self.waits.gated(queues)
                 continue
             window = qos.prefetch_count or free
             unacked = len(qos._delivered) - len(qos._dirty)
             if free < refill_mark(window) and unacked > 0 and not acks_due:
                 # Refill at the low-water mark, not per freed slot; but acks that are due
                 # ride on a claim (which also refills) rather than on a statement of their own.
+                self.waits.gated(queues)
                 continue
             n = min(free, self.options.max_claim)
             acks_due = False
@@ -587,6 +591,8 @@ class ConsumerLoop:
                 self.next_channel = index + 1
                 return delivered
             delivered += self.deliver(self.claim_for(channel, queues, n))
+        if self.listening and self.waits.pass_on:  # wake-ups a closed window passed on
+            self._tidy_waits()
         if acks_due:  # nothing to claim (and no claim in flight): the acks go alone
             with self.lock:
                 self.backend.flush_acks(self.claim_conn())
@@ -606,7 +612,6 @@ class ConsumerLoop:
             if stale and waits.waiter is not None:
                 core.unwait(conn, waits.waiter, stale)
             passed, waits.pass_on = waits.pass_on, set()
-            passed.difference_update(callbacks)
             if passed:
                 core.wake_all(conn, sorted(passed))
 

@@ -20,6 +20,8 @@ from typing import Any
 import psycopg
 from psycopg.waiting import Ready, Wait
 
+from .database import timeout_error
+
 __all__ = ["SUPPORTED", "InFlight"]
 
 _READABLE = select.POLLIN | select.POLLHUP | select.POLLERR
@@ -63,6 +65,11 @@ class InFlight:
                                              (Ready.W if events & _WRITABLE else 0)))
         except StopIteration:
             self.done = True
+        except (psycopg.errors.LockNotAvailable, psycopg.errors.QueryCanceled) as exc:
+            # The statement was cancelled by a timeout and its result is complete: the
+            # connection is fine (a coded error, not a broken connection).
+            self.done = True
+            raise timeout_error(exc) from exc
 
     def poll(self) -> bool:
         """Read what arrived (never blocks); True once the result is complete."""

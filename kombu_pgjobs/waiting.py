@@ -63,6 +63,8 @@ class Waits:
         self._backoff = 0.0
         #: wake-ups for queues this connection no longer consumes: to pass on to the others
         self.pass_on: set[str] = set()
+        #: queues woken on this consumer's channel and not claimed since
+        self.unserved: set[str] = set()
 
     @property
     def channel(self) -> str:
@@ -76,10 +78,14 @@ class Waits:
         self.state.clear()
         return self.waiter
 
-    def stop(self) -> None:
-        """The connection stopped listening or is gone (its registrations go with it)."""
+    def stop(self) -> set[str]:
+        """The connection stopped listening or is gone (its registrations go with it).
+        Returns the wake-ups it still had to pass on."""
         self.waiter = None
         self.state.clear()
+        passed = self.pass_on | self.unserved
+        self.pass_on, self.unserved = set(), set()
+        return passed
 
     def woken(self, queue: str, consumed: Collection[str]) -> None:
         """A wake-up on this consumer's channel: its registration on ``queue`` was deleted."""
@@ -87,12 +93,22 @@ class Waits:
         self._wakes[queue] = self._wakes.get(queue, 0) + 1
         if queue not in consumed:
             self.pass_on.add(queue)
+        else:
+            self.unserved.add(queue)
+
+    def gated(self, queues: Collection[str]) -> None:
+        """The consumer will not claim ``queues`` now (its prefetch window is closed): a
+        wake-up it had for them is passed on to the others, which may be idle."""
+        held = self.unserved.intersection(queues)
+        self.unserved.difference_update(held)
+        self.pass_on.update(held)
 
     def ticket(self, queues: Sequence[str], consumed: Collection[str]) -> Ticket | None:
         """What a claim of ``queues`` registers and tries if it drains (None: polling)."""
         if self.waiter is None:
             return None
         mine = [q for q in queues if q in consumed]
+        self.unserved.difference_update(mine)
         register = [q for q in mine if q not in self.state]
         barrier = [q for q in mine if self.state.get(q, UNQUIET) == UNQUIET]
         return Ticket(WaitPlan(self.waiter, register, barrier),

@@ -47,6 +47,7 @@ class Drainer(threading.Thread):
         self.stop_event = threading.Event()
         self.error: BaseException | None = None
         self.consumer: kombu.Consumer | None = None
+        self.prefetch: int | None = None
 
     def _on(self, body: Any, message: Any) -> None:
         self.got.append((body, time.monotonic()))
@@ -57,7 +58,7 @@ class Drainer(threading.Thread):
             with self.conn.channel() as channel:
                 self.consumer = kombu.Consumer(
                     channel, queues=[kombu.Queue(q, channel=channel) for q in self.queues],
-                    callbacks=[self._on])
+                    callbacks=[self._on], prefetch_count=self.prefetch)
                 self.consumer.consume()
                 while not self.stop_event.is_set():
                     try:
@@ -258,3 +259,114 @@ def test_a_cancelled_consumer_drops_its_registration(
             assert _waiters(db, schema) == 1
     finally:
         producer.release()
+
+
+# -- the trigger under concurrent, rolled-back and REPEATABLE READ publishers (SQL level) ---
+
+def _fake_waiters(dsn: str, db: psycopg.Connection[Any], schema: str,
+                  n: int) -> list[psycopg.Connection[Any]]:
+    """``n`` live registrations on QUEUE, oldest first: each a session holding its wake id's
+    lock and LISTENing on its own channel and on the schema's."""
+    held = []
+    for i in range(n):
+        waiter = 2**40 + i
+        conn = psycopg.connect(dsn, autocommit=True)
+        conn.execute("SELECT pg_advisory_lock(%s::bigint)", [waiter])
+        conn.execute(f'LISTEN "pgjobs.w.{waiter}"')
+        conn.execute(f'LISTEN "pgjobs.{schema}"')
+        db.execute(f'INSERT INTO "{schema}".pgjobs_waiter (queue, waiter, since) '
+                   "VALUES (%s, %s, now() + %s * interval '1 ms')", [QUEUE, waiter, i])
+        held.append(conn)
+    return held
+
+
+def _heard(conn: psycopg.Connection[Any]) -> list[str]:
+    return [n.channel.rsplit(".", 1)[0] if n.channel.startswith("pgjobs.w.") else "schema"
+            for n in conn.notifies(timeout=0.5, stop_after=4)]
+
+
+def _insert(schema: str) -> str:
+    return f'INSERT INTO "{schema}".pgjobs_job (queue, message) VALUES (%s, %s)'
+
+
+def test_an_open_publisher_holds_only_the_registration_it_wakes(dsn, db, schema):
+    """Two overlapping publishers wake two consumers (a FOR loop over the registrations
+    locked a batch of them, and the second publisher woke nobody)."""
+    from kombu_pgjobs.schema import migrate
+
+    migrate(db, schema)
+    held = _fake_waiters(dsn, db, schema, 3)
+    try:
+        with psycopg.connect(dsn) as first, psycopg.connect(dsn, autocommit=True) as second:
+            first.execute(_insert(schema), [QUEUE, "{}"])  # open: holds what it woke
+            second.execute(_insert(schema), [QUEUE, "{}"])
+            first.commit()
+        heard = [_heard(conn) for conn in held]
+        assert heard == [["pgjobs.w"], ["pgjobs.w"], []]
+        assert _waiters(db, schema) == 1
+    finally:
+        for conn in held:
+            conn.close()
+
+
+def test_a_publisher_that_rolls_back_does_not_take_a_committed_ones_wake_up(dsn, db, schema):
+    from kombu_pgjobs.schema import migrate
+
+    migrate(db, schema)
+    held = _fake_waiters(dsn, db, schema, 1)
+    try:
+        with psycopg.connect(dsn) as doomed, psycopg.connect(dsn, autocommit=True) as good:
+            doomed.execute(_insert(schema), [QUEUE, "{}"])  # holds the only registration
+            good.execute(_insert(schema), [QUEUE, "{}"])  # commits
+            doomed.rollback()
+        # the committed publish could not wake the held registration: it told every
+        # consumer of the queue on the schema's channel instead
+        assert _heard(held[0]) == ["schema"]
+        assert _waiters(db, schema) == 1
+    finally:
+        held[0].close()
+
+
+def test_a_repeatable_read_publish_never_fails_and_tells_every_consumer(dsn, db, schema):
+    from kombu_pgjobs.schema import migrate
+
+    migrate(db, schema)
+    held = _fake_waiters(dsn, db, schema, 1)
+    try:
+        with psycopg.connect(dsn) as app:
+            app.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+            app.execute("SELECT 1")  # the app's snapshot predates the next publish's wake
+            db.execute(_insert(schema), [QUEUE, "{}"])  # wakes (deletes) the registration
+            assert _heard(held[0]) == ["pgjobs.w"]
+            db.execute(f'INSERT INTO "{schema}".pgjobs_waiter (queue, waiter) VALUES (%s, %s)',
+                       [QUEUE, 2**40])  # registered again, after the app's snapshot
+            app.execute(_insert(schema), [QUEUE, "{}"])  # failed with a serialization error
+            app.commit()
+        assert _heard(held[0]) == ["schema"]
+        assert db.execute(f'SELECT count(*) FROM "{schema}".pgjobs_job').fetchone()[0] == 2
+    finally:
+        held[0].close()
+
+
+def test_a_consumer_whose_window_is_closed_passes_its_wake_up_on(url, db, schema):
+    """C1 (prefetch 4) holds 3 unacked messages, below its refill mark: woken first (its
+    registration is the oldest), it does not claim, and must hand the wake-up to C2."""
+    first = Drainer(url, schema, [QUEUE], "pgjt-wake-full")
+    first._on = lambda body, message: first.got.append((body, time.monotonic()))  # no ack
+    first.prefetch = 4
+    with _producer(url, schema) as producer:
+        first.start()
+        try:
+            wait_for(lambda: _waiters(db, schema) == 1, 10, what="C1 registered")
+            for i in range(3):
+                producer.SimpleQueue(QUEUE).put({"m": i})
+                wait_for(lambda i=i: len(first.got) == i + 1, 5, what=f"C1 took {i}")
+                wait_for(lambda: _waiters(db, schema) == 1, 5, what="C1 registered again")
+            with _drainers(url, schema, 1) as (second,):
+                wait_for(lambda: _waiters(db, schema) == 2, 10, what="C2 registered")
+                producer.SimpleQueue(QUEUE).put({"m": 3})
+                wait_for(lambda: second.got, 5, what="C2 got the message C1 could not take")
+            assert [b for b, _ in second.got] == [{"m": 3}] and len(first.got) == 3
+        finally:
+            first.stop_event.set()
+            first.join(10)

@@ -26,6 +26,12 @@
 -- (it is dropped with its connection): the trigger skips (and deletes) registrations whose
 -- lock is free, so a killed worker's registration never swallows a wake-up.
 --
+-- Two cases fall back to the schema's channel (below), which every consumer of the queue
+-- hears: a publish in a transaction that is not READ COMMITTED (its one snapshot may miss a
+-- registration, and deleting one that another publisher deleted would fail the publish), and
+-- registrations left that another open transaction holds locked (a publisher that may yet
+-- roll back, and take its wake-up with it).
+--
 -- Other wake-ups (a requeue, a rescued lease, a resumed queue, a released limit) still
 -- NOTIFY the schema's channel, which every consuming connection keeps LISTENing on.
 
@@ -43,29 +49,46 @@ COMMENT ON TABLE {schema}.pgjobs_waiter IS
 CREATE OR REPLACE FUNCTION {schema}.pgjobs_wake_v1() RETURNS trigger LANGUAGE plpgsql AS $$
 DECLARE
     q record;
-    w record;
+    next_waiter bigint;
     woken integer;
 BEGIN
     FOR q IN SELECT queue, count(*) AS n FROM new_rows GROUP BY queue ORDER BY queue LOOP
+        IF current_setting('transaction_isolation') <> 'read committed' THEN
+            -- One snapshot for the whole transaction: it may not see a registration made
+            -- since, and deleting one another publisher deleted meanwhile would fail the
+            -- publish. Every consumer of the queue hears the schema's channel instead.
+            PERFORM pg_notify('pgjobs.' || TG_TABLE_SCHEMA, q.queue);
+            CONTINUE;
+        END IF;
         -- Held to the commit; waits only for a consumer's claim that is registering now.
         PERFORM pg_advisory_xact_lock_shared(hashtext('pgjobs.wake'),
                                              hashtext(TG_TABLE_SCHEMA || '.' || q.queue));
         woken := 0;
-        -- A fresh snapshot (a new statement): a registration committed before the lock was
-        -- granted is seen. Concurrent publishers wake different consumers (SKIP LOCKED).
-        FOR w IN SELECT r.waiter FROM {schema}.pgjobs_waiter AS r
-                  WHERE r.queue = q.queue
-                  ORDER BY r.since, r.waiter
-                    FOR UPDATE SKIP LOCKED LOOP
+        LOOP
+            -- One registration at a time (a FOR loop would lock the ten it fetches): a fresh
+            -- snapshot per statement sees a registration committed before the lock was
+            -- granted; concurrent publishers wake different consumers (SKIP LOCKED).
+            SELECT r.waiter INTO next_waiter FROM {schema}.pgjobs_waiter AS r
+             WHERE r.queue = q.queue
+             ORDER BY r.since, r.waiter
+             LIMIT 1
+               FOR UPDATE SKIP LOCKED;
+            EXIT WHEN NOT FOUND;
             DELETE FROM {schema}.pgjobs_waiter AS r
-             WHERE r.queue = q.queue AND r.waiter = w.waiter;
+             WHERE r.queue = q.queue AND r.waiter = next_waiter;
             -- Its consumer holds the lock while it lives: a free lock is a dead registration.
-            IF NOT pg_try_advisory_xact_lock_shared(w.waiter) THEN
-                PERFORM pg_notify('pgjobs.w.' || w.waiter, q.queue);
+            IF NOT pg_try_advisory_xact_lock_shared(next_waiter) THEN
+                PERFORM pg_notify('pgjobs.w.' || next_waiter, q.queue);
                 woken := woken + 1;
                 EXIT WHEN woken >= q.n;
             END IF;
         END LOOP;
+        IF woken < q.n AND EXISTS (SELECT 1 FROM {schema}.pgjobs_waiter AS r
+                                    WHERE r.queue = q.queue) THEN
+            -- Registrations another open transaction holds (a publisher that may yet roll
+            -- back, and take its wake-up with it): every consumer of the queue hears this.
+            PERFORM pg_notify('pgjobs.' || TG_TABLE_SCHEMA, q.queue);
+        END IF;
     END LOOP;
     RETURN NULL;
 END
