@@ -29,6 +29,7 @@ from pathlib import Path
 
 from bench.brokers import prepare, registry
 from bench.measure import REPO_ROOT, BrokerRun, Config
+from bench.pgidle import proc_stats
 from bench.worker import Worker
 
 _TICK = os.sysconf("SC_CLK_TCK")
@@ -37,19 +38,8 @@ _SERVERS = {"postgres": ("postgres",), "amqp": ("beam.smp",), "redis": ("redis-s
 
 def _processes() -> dict[int, tuple[str, int, float]]:
     """pid -> (command name, parent pid, CPU seconds) of every process we may read."""
-    found: dict[int, tuple[str, int, float]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                raw = f.read()
-        except OSError:
-            continue
-        name = raw[raw.index("(") + 1:raw.rindex(")")]
-        fields = raw[raw.rindex(")") + 2:].split()
-        found[int(entry)] = (name, int(fields[1]), (int(fields[11]) + int(fields[12])) / _TICK)
-    return found
+    return {pid: (name, int(f[1]), (int(f[11]) + int(f[12])) / _TICK)
+            for pid, name, f in proc_stats()}
 
 
 def _ours(pid: int, database: str | None) -> bool:

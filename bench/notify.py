@@ -6,10 +6,11 @@
 Since schema version 17 the insert trigger (``pgjobs_wake_v1``, schema/0017) wakes one
 registered consumer per message and sends no NOTIFY when no consumer waits. Each figure is
 measured with three triggers on the job table, side by side: ``wake`` (today's), ``broadcast``
-(version 1's ``pgjobs_notify_v1``, installed here for the comparison: one NOTIFY per publishing
-statement on the schema's channel, heard by every consumer) and ``none`` (no trigger: the
-ceiling). In the database ``bench_notify`` of the server of $BENCH_PG_ADMIN_DSN (created when
-missing; nothing else uses it, so its counters are ours):
+(version 1's ``pgjobs_notify_v1``, installed here from its migration for the comparison:
+one NOTIFY per publishing statement on the schema's channel, heard by every consumer) and
+``none`` (no trigger: the ceiling). In the database ``bench_notify`` (``--database``) of the
+server of $BENCH_PG_ADMIN_DSN (created when missing; nothing else uses it, so its counters
+are ours):
 
 (a) **Publish throughput**: ``--threads`` threads publish through kombu for ``--seconds``
     each, every thread on its own publish connection (a backend per thread: distinct
@@ -48,13 +49,14 @@ import json
 import statistics
 import threading
 import time
+from importlib import resources
 from typing import Any
 from urllib.parse import urlsplit
 
 import kombu
 import psycopg
 
-from bench.brokers import PG_ADMIN_DSN, pg_dsn
+from bench.brokers import ensure_database, pg_dsn
 from bench.pgstats import settle, transactions
 from kombu_pgjobs.backend import release_all
 from kombu_pgjobs.schema import migrate
@@ -69,29 +71,22 @@ def _url() -> str:
     return parts._replace(scheme="pgjobs").geturl()
 
 
-#: version 1's trigger, for the comparison (``broadcast``)
-_BROADCAST = """
-CREATE FUNCTION {s}.bench_notify_v1() RETURNS trigger LANGUAGE plpgsql AS $$
-BEGIN
-    PERFORM pg_notify('pgjobs.' || TG_TABLE_SCHEMA, q.queue)
-       FROM (SELECT DISTINCT queue FROM new_rows) AS q;
-    RETURN NULL;
-END
-$$;
-CREATE TRIGGER bench_notify_v1 AFTER INSERT ON {s}.pgjobs_job
-    REFERENCING NEW TABLE AS new_rows
-    FOR EACH STATEMENT EXECUTE FUNCTION {s}.bench_notify_v1();
-"""
+def _broadcast_trigger() -> str:
+    """Version 1's insert trigger and its function, as its migration wrote them (version 17
+    dropped both): the ``broadcast`` comparison."""
+    text = resources.files("kombu_pgjobs.schema").joinpath("0001_initial.sql").read_text()
+    start = text.index("CREATE FUNCTION {schema}.pgjobs_notify_v1()")
+    end = text.index("EXECUTE FUNCTION {schema}.pgjobs_notify_v1();", start)
+    return text[start:end + len("EXECUTE FUNCTION {schema}.pgjobs_notify_v1();")]
+
+
 TRIGGERS = ("wake", "broadcast", "none")
 
 
 def _setup(trigger: str) -> None:
     """A fresh schema with ``trigger`` (one of TRIGGERS) on the job table; autovacuum off (its
     transactions would count in (b))."""
-    with psycopg.connect(PG_ADMIN_DSN, autocommit=True) as admin:
-        if admin.execute("SELECT 1 FROM pg_database WHERE datname = %s",
-                         (DATABASE,)).fetchone() is None:
-            admin.execute(f'CREATE DATABASE "{DATABASE}"')
+    ensure_database(DATABASE)
     with psycopg.connect(pg_dsn(DATABASE), autocommit=True) as conn:
         conn.execute(f'DROP SCHEMA IF EXISTS "{SCHEMA}" CASCADE')
         migrate(conn, SCHEMA)
@@ -101,7 +96,7 @@ def _setup(trigger: str) -> None:
         if trigger != "wake":
             conn.execute(f'ALTER TABLE "{SCHEMA}".pgjobs_job DISABLE TRIGGER pgjobs_job_wake_v1')
         if trigger == "broadcast":
-            conn.execute(_BROADCAST.format(s=f'"{SCHEMA}"'))
+            conn.execute(_broadcast_trigger().replace("{schema}", f'"{SCHEMA}"'))
 
 
 def _connection(name: str, **options: Any) -> kombu.Connection:

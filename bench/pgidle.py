@@ -30,6 +30,7 @@ import re
 import shutil
 import subprocess
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import psycopg
@@ -59,9 +60,9 @@ def pgss_available() -> bool:
     return bool(row) and "pg_stat_statements" in str(row[0])
 
 
-def group_pids(pgid: int) -> set[int]:
-    """Processes of the worker's process group (main process and prefork children)."""
-    pids = set()
+def proc_stats() -> Iterator[tuple[int, str, list[str]]]:
+    """(pid, command name, the fields after it) of every process ``/proc/<pid>/stat`` lets us
+    read: state, ppid, pgrp, ... (``man 5 proc``; field 1 here is the ppid)."""
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -70,10 +71,13 @@ def group_pids(pgid: int) -> set[int]:
                 stat = fh.read()
         except OSError:
             continue
-        fields = stat.rsplit(")", 1)[-1].split()  # after "pid (comm)": state ppid pgrp ...
-        if len(fields) > 2 and int(fields[2]) == pgid:
-            pids.add(int(entry))
-    return pids
+        name = stat[stat.index("(") + 1:stat.rindex(")")]
+        yield int(entry), name, stat[stat.rindex(")") + 2:].split()
+
+
+def group_pids(pgid: int) -> set[int]:
+    """Processes of the worker's process group (main process and prefork children)."""
+    return {pid for pid, _, fields in proc_stats() if len(fields) > 2 and int(fields[2]) == pgid}
 
 
 def tcp_writes(pids: set[int], port: int) -> dict[str, int]:
