@@ -20,7 +20,10 @@ absent
 
 A wake-up on the consumer's own channel means the registration is gone: the queue is absent
 again. A wake-up read while a claim was in flight must not be overwritten by that claim's
-result, hence the per-queue wake count a :class:`Ticket` remembers.
+result, hence the per-queue wake count a :class:`Ticket` remembers. A wake-up the consumer
+cannot act on (its prefetch window is closed, or it stops consuming the queue) is passed on
+to every consumer of the queue, never kept: its registration is already gone, so nobody else
+would be woken for that message.
 """
 
 from __future__ import annotations
@@ -61,7 +64,8 @@ class Waits:
         self.state: dict[str, str] = {}
         self._wakes: dict[str, int] = {}
         self._backoff = 0.0
-        #: wake-ups for queues this connection no longer consumes: to pass on to the others
+        #: wake-ups to pass on to every consumer of their queues (the schema's channel): for
+        #: queues this connection no longer consumes, or will not claim now (:meth:`gated`)
         self.pass_on: set[str] = set()
         #: queues woken on this consumer's channel and not claimed since
         self.unserved: set[str] = set()

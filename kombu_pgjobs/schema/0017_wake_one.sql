@@ -63,6 +63,9 @@ BEGIN
         -- Held to the commit; waits only for a consumer's claim that is registering now.
         PERFORM pg_advisory_xact_lock_shared(hashtext('pgjobs.wake'),
                                              hashtext(TG_TABLE_SCHEMA || '.' || q.queue));
+        -- Every consumer busy (the common case under load): one probe, nothing to wake.
+        CONTINUE WHEN NOT EXISTS (SELECT 1 FROM {schema}.pgjobs_waiter AS r
+                                   WHERE r.queue = q.queue);
         woken := 0;
         LOOP
             -- One registration at a time (a FOR loop would lock the ten it fetches): a fresh
