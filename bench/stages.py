@@ -16,6 +16,17 @@ start), which split the path into
 ``deliver``  the claim's start until the task body runs (the claim, its commit, its rows read,
              Celery's hand-off to the pool).
 
+A message the publish handed to the idle worker (``0018_hand_off.sql``: its lease starts at the
+publish transaction's ``now()``) has no claim of its own: its last stage is
+
+``handed``   ``delay()`` returned until the task body runs (the NOTIFY carrying the message, the
+             worker's wake-up, Celery's hand-off to the pool),
+
+and ``handed%`` is the share of samples delivered so.
+
+A broker may be given as a variant with transport options, e.g. ``pgjobs+hand_off=false``
+(values are JSON, else text), to compare settings side by side within one run.
+
 Every timestamp is the machine's one clock (Python's ``time.time()`` and PostgreSQL's
 ``now()``). Other brokers report the total and the ``delay()`` call only. Medians of the
 samples of each run; the total's ratio to the second broker is taken within each run.
@@ -24,6 +35,8 @@ samples of each run; the total's ratio to the second broker is taken within each
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import math
 import os
 import random
@@ -32,11 +45,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.brokers import prepare, registry
+from bench.brokers import Broker, prepare, registry
 from bench.measure import REPO_ROOT, BrokerRun, Config
 from bench.worker import Worker
 
-STAGES = ("client", "commit", "wake", "deliver")
+STAGES = ("client", "commit", "wake", "deliver", "handed")
 
 
 def _samples(state: Path, count: int, timeout: float = 10.0) -> list[dict[str, float]]:
@@ -65,21 +78,38 @@ def _samples(state: Path, count: int, timeout: float = 10.0) -> list[dict[str, f
             _, started, created, claimed = (float(x) for x in line.split())
             row = {"total": started - sent, "delay": returned - sent}
             if not math.isnan(created):
-                row.update(client=created - sent, commit=returned - created,
-                           wake=claimed - returned, deliver=started - claimed)
+                row.update(client=created - sent, commit=returned - created)
+                if claimed == created:  # claimed in the publish's transaction: handed off
+                    row.update(handed=started - returned)
+                else:
+                    row.update(wake=claimed - returned, deliver=started - claimed)
             rows.append(row)
         time.sleep(rng.uniform(0.05, 0.15))
     return rows
 
 
-def one(name: str, pool: str, count: int, tmp: Path) -> dict[str, float]:
+def variant(spec: str) -> Broker:
+    """A broker of the registry, or ``name+key=value+...``: it with these transport options."""
+    name, *pairs = spec.split("+")
+    broker = registry()[name]
+    options = dict(broker.transport_options)
+    for pair in pairs:
+        key, _, text = pair.partition("=")
+        try:
+            options[key] = json.loads(text)
+        except ValueError:
+            options[key] = text
+    return dataclasses.replace(broker, name=spec, transport_options=options)
+
+
+def one(spec: str, pool: str, count: int, tmp: Path) -> dict[str, float]:
     """Median ms of each stage over ``count`` samples, in a fresh interpreter per broker."""
-    import json
     import subprocess
     import sys
 
-    broker = registry()[name]
-    state = tmp / name
+    name = spec
+    broker = variant(spec)
+    state = tmp / spec.replace("/", "_")
     state.mkdir(exist_ok=True)
     run = BrokerRun(broker, Config(), state, lambda _msg: None)
     run.client("purge")
@@ -94,7 +124,11 @@ def one(name: str, pool: str, count: int, tmp: Path) -> dict[str, float]:
     if out.returncode:
         raise RuntimeError(f"{name}: {out.stderr.strip().splitlines()[-1:]}")
     rows = json.loads(out.stdout.strip().splitlines()[-1])
-    return {k: 1000 * statistics.median(r[k] for r in rows) for k in rows[0]}
+    keys = {k for r in rows for k in r}
+    medians = {k: 1000 * statistics.median(r[k] for r in rows if k in r) for k in keys}
+    if "handed" in keys:
+        medians["handed%"] = 100.0 * sum("handed" in r for r in rows) / len(rows)
+    return medians
 
 
 def main() -> None:
@@ -107,7 +141,7 @@ def main() -> None:
     args = p.parse_args()
     names = args.brokers.split(",")
     for name in names:
-        prepare(registry()[name])
+        prepare(variant(name))
     runs: dict[str, list[dict[str, float]]] = {n: [] for n in names}
     with tempfile.TemporaryDirectory(prefix="bench-stages-") as tmp:
         for _ in range(args.runs):
@@ -116,9 +150,11 @@ def main() -> None:
     print(f"idle latency, {args.pool} pool, {args.samples} samples per run, "
           f"medians in ms (per run):")
     for name in names:
-        keys = [k for k in ("total", "delay", *STAGES) if k in runs[name][0]]
+        keys = [k for k in ("total", "delay", *STAGES, "handed%")
+                if any(k in r for r in runs[name])]
         print(f"  {name:<7} " + "  ".join(
-            f"{k} " + "/".join(f"{r[k]:.2f}" for r in runs[name]) for k in keys))
+            f"{k} " + "/".join(f"{r[k]:.2f}" if k in r else "-" for r in runs[name])
+            for k in keys))
     if len(names) > 1:
         a, b = names[:2]
         ratios = [x["total"] / y["total"] for x, y in zip(runs[a], runs[b], strict=True)]

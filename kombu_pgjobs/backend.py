@@ -122,7 +122,8 @@ class Backend:
         self.options = options
         self.worker = f"{socket.gethostname()}:{self.pid}"
         self.core = QueueCore(options.schema, lease_ttl=options.lease_ttl,
-                              max_attempts=options.max_attempts, worker=self.worker)
+                              max_attempts=options.max_attempts, worker=self.worker,
+                              hand_off=options.hand_off)
         self._migrated = False
         self._migrate_lock = threading.Lock()
         self._publish_conn: psycopg.Connection[Any] | None = None

@@ -55,7 +55,7 @@ from .errors import DatabaseTimeout, DatabaseUnavailable, PgJobsError
 from .events import log_event, one_line
 from .green import pipe_read, pipe_write, wait_readable
 from .inflight import SUPPORTED, InFlight
-from .waiting import Ticket, Waits
+from .waiting import Ticket, Waits, handed_row
 
 if TYPE_CHECKING:
     from .backend import Backend
@@ -110,6 +110,9 @@ class ConsumerLoop:
         self.conn: psycopg.Connection[Any] | None = None
         self.listening = False
         self.waits = Waits()  # the queues this connection is registered as waiting on
+        # Messages publishes claimed for this consumer (hand-offs read from its wake channel),
+        # delivered by the next pump: see _deliver_handed.
+        self.handed: list[Claimed] = []
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -190,6 +193,7 @@ class ConsumerLoop:
             passed = self.waits.stop()  # wake-ups read meanwhile go to the others
             if passed:
                 core.wake_all(conn, sorted(passed))
+            self._return_handed()
         self.listening = want
 
     def stop_listening(self) -> None:
@@ -285,9 +289,17 @@ class ConsumerLoop:
     def _notified(self, channel: str, queue: str) -> None:
         """A NOTIFY for ``queue``. One read by psycopg together with a statement's result
         (the release in an ack wakes a parked message and notifies this very session) leaves
-        the socket unreadable: :meth:`pump` claims again at once instead of waiting for it."""
+        the socket unreadable: :meth:`pump` claims again at once instead of waiting for it.
+        On this consumer's own channel the payload may be a hand-off: a message claimed for
+        this consumer, queued for the next pump to deliver."""
         if self.waits.waiter is not None and channel == self.waits.channel:
-            self.waits.woken(queue, self.consumed())
+            row = handed_row(queue)
+            if row is not None:
+                queue = row.queue
+                self.waits.handed(queue)
+                self.handed.append(row)
+            else:
+                self.waits.woken(queue, self.consumed())
         if self.owns is not None and not self.owns(queue):
             return  # a shard's loop claims only the queues the map gives its database
         self.dirty.add(queue)
@@ -516,6 +528,45 @@ class ConsumerLoop:
         if rows:
             self.backend.settle([(r.id, r.claim) for r in rows], requeue=True, uncount=True)
 
+    def _deliver_handed(self) -> int:
+        """Deliver the messages publishes handed to this consumer (``0018_hand_off.sql``),
+        each as a claim's row: held (its lease renewed) unless its queue is consumed without
+        acks. One that no open channel consumes, or whose channel's prefetch window is full,
+        goes back unstarted (no attempt counted; the requeue wakes the queue's consumers)."""
+        if not self.handed:
+            return 0
+        with self.lock:
+            rows, self.handed = self.handed, []
+        back: list[Claimed] = []
+        delivered = 0
+        for row in rows:
+            channel = self._channel_of(row.queue)
+            if channel is None or not channel.qos.can_consume():
+                back.append(row)
+                continue
+            if row.queue in channel._no_ack_queues:
+                self.backend.buffer_ack(row.id, row.claim)
+            else:
+                self.backend.hold([(row.id, row.claim)])
+            delivered += self.deliver([row])
+        self._hand_back(back)
+        return delivered
+
+    def _return_handed(self) -> None:
+        """Hand back what was handed to this consumer and not delivered (it stops consuming
+        or closes). A failure here is logged by the settle; the leases then lapse."""
+        with self.lock:
+            rows, self.handed = self.handed, []
+        self._hand_back(rows)
+
+    def _channel_of(self, queue: str) -> Channel | None:
+        """The open channel consuming ``queue`` (None: no consumer of it here any more)."""
+        for channel in self.transport.channels:
+            if (queue in channel._active_queues and channel._consumers
+                    and not (channel.closed or channel.closing)):
+                return channel
+        return None
+
     # -- the loop ---------------------------------------------------------------------------
     def pump(self, *, on_hub: bool = False) -> int:
         """Claim and deliver for every channel whose window is open enough; flush acks.
@@ -523,14 +574,15 @@ class ConsumerLoop:
         when its result comes in, by a later call. Database failures never leave this method:
         they are the ``broken`` transition, retried after a backoff."""
         self.again = False
+        handed = self._deliver_handed()  # first: they need no statement (even when broken)
         if not self._may_claim():
-            return 0
+            return handed
         self.woken = False
         try:
-            delivered = self._pump(on_hub)
+            delivered = handed + self._pump(on_hub)
         except (psycopg.Error, DatabaseUnavailable, DatabaseTimeout) as exc:
             self._broken(exc, "claim")
-            return 0
+            return handed
         if self.woken and self.inflight is None:
             self.again = True  # work was announced while this pump ran: look again now
         return delivered
@@ -575,9 +627,11 @@ class ConsumerLoop:
                 continue
             window = qos.prefetch_count or free
             unacked = len(qos._delivered) - len(qos._dirty)
-            if free < refill_mark(window) and unacked > 0 and not acks_due:
+            if (free < refill_mark(window) and unacked > 0 and not acks_due
+                    and self.waits.rearm.isdisjoint(queues)):
                 # Refill at the low-water mark, not per freed slot; but acks that are due
-                # ride on a claim (which also refills) rather than on a statement of their own.
+                # ride on a claim (which also refills) rather than on a statement of their own,
+                # and a queue just handed a message is claimed (so registered) again.
                 self.waits.gated(queues)
                 continue
             n = min(free, self.options.max_claim)
@@ -739,6 +793,8 @@ class ConsumerLoop:
                 # next flush (fenced: a retry can only miss).
                 self.backend.restore_acks(self.inflight[3])
                 self.inflight = None
+            if self.handed:
+                self._return_handed()
             if self.hub is not None:
                 self.unregister_from_event_loop(self.hub)
             self._drop_conn()

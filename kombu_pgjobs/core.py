@@ -380,11 +380,13 @@ class QueueCore:
     """Statements on the job tables of one schema."""
 
     def __init__(self, schema: str, *, lease_ttl: float, max_attempts: int,
-                 worker: str = "") -> None:
+                 worker: str = "", hand_off: bool = True) -> None:
         self.schema = validate_schema_name(schema)
         #: this process (host:pid): the lease holder's name and its counter shard
         self.worker = worker or f"{socket.gethostname()}:{os.getpid()}"
         self.lease_ttl = lease_ttl
+        #: registrations ask for the message a publish wakes them for (0018_hand_off.sql)
+        self.hand_off = hand_off
         self.max_attempts = max_attempts
         self.channel = f"pgjobs.{schema}"
         self.q = queries(schema)
@@ -559,7 +561,7 @@ class QueueCore:
         return with_limit(self.schema, "job_claim", n), {
             "ack_ids": ack_ids, "ack_claims": ack_claims, "queues": list(queues), "n": n,
             "ttl": self.lease_ttl, "worker": self.worker, "channel": self.channel,
-            "waiter": wait.waiter, "register": list(wait.register),
+            "hand_off": self.hand_off, "waiter": wait.waiter, "register": list(wait.register),
             "barrier": list(wait.barrier), "schema_name": self.schema,
         }
 

@@ -77,6 +77,10 @@ OPTIONS: tuple[Option, ...] = (
            "this long)."),
     Option("use_listen_notify", True, bool,
            doc="Wake consumers with LISTEN/NOTIFY. Turn off behind PgBouncer transaction pooling."),
+    Option("hand_off", True, bool,
+           doc="A publish that wakes an idle consumer claims the message for it in the "
+               "publish's own (durable) transaction, and the wake-up carries it: no claim "
+               "round trip on the idle path. Off: the woken consumer claims it."),
     Option("durable_publish", True, bool,
            doc="A publish returns after its commit is flushed to disk. Off: the publish "
                "connection uses synchronous_commit=off — the row is committed and visible at "
@@ -210,6 +214,7 @@ class TransportOptions:
     polling_interval: float = 1.0
     idle_poll_interval: float = 60.0
     use_listen_notify: bool = True
+    hand_off: bool = True
     durable_publish: bool = True
     confirm_publish: bool = True
     event_loop: bool = True

@@ -19,11 +19,13 @@ absent
     claim). A claim that drains leaves it armed and sends nothing extra.
 
 A wake-up on the consumer's own channel means the registration is gone: the queue is absent
-again. A wake-up read while a claim was in flight must not be overwritten by that claim's
-result, hence the per-queue wake count a :class:`Ticket` remembers. A wake-up the consumer
-cannot act on (its prefetch window is closed, or it stops consuming the queue) is passed on
-to every consumer of the queue, never kept: its registration is already gone, so nobody else
-would be woken for that message.
+again. A wake-up may carry a message the publish claimed for this consumer (a *hand-off*,
+``0018_hand_off.sql``; :func:`handed_row` reads it): the consumer delivers it without a claim,
+or hands it back when it can no longer take it. A wake-up read while a claim was in flight
+must not be overwritten by that claim's result, hence the per-queue wake count a
+:class:`Ticket` remembers. A wake-up the consumer cannot act on (its prefetch window is closed,
+or it stops consuming the queue) is passed on to every consumer of the queue, never kept: its
+registration is already gone, so nobody else would be woken for that message.
 """
 
 from __future__ import annotations
@@ -32,9 +34,9 @@ import random
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
-from .core import ClaimResult, WaitPlan
+from .core import Claimed, ClaimResult, WaitPlan
 
-__all__ = ["ARMED", "CONFIRMING", "UNQUIET", "Ticket", "Waits"]
+__all__ = ["ARMED", "CONFIRMING", "HAND_OFF", "UNQUIET", "Ticket", "Waits", "handed_row"]
 
 UNQUIET = "unquiet"
 CONFIRMING = "confirming"
@@ -46,6 +48,19 @@ RECHECK_FIRST = 0.002
 RECHECK_MAX = 0.5
 
 _random = random.SystemRandom()
+
+#: First character of a hand-off's payload (a plain wake-up's payload is the queue's name).
+HAND_OFF = "\x1e"
+
+
+def handed_row(payload: str) -> Claimed | None:
+    """The row a hand-off carries, or None for a plain wake-up (the payload is a queue).
+    Format (0018_hand_off.sql): ``\\x1e<id> <claim> <len(queue)> <queue><message>``."""
+    if not payload.startswith(HAND_OFF):
+        return None
+    job_id, claim, length, rest = payload[1:].split(" ", 3)
+    size = int(length)
+    return Claimed(int(job_id), int(claim), rest[:size], rest[size:])
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +84,9 @@ class Waits:
         self.pass_on: set[str] = set()
         #: queues woken on this consumer's channel and not claimed since
         self.unserved: set[str] = set()
+        #: queues handed a message and not claimed since: the consumer claims them again
+        #: (and so registers again) even below its refill mark, as a woken consumer would
+        self.rearm: set[str] = set()
 
     @property
     def channel(self) -> str:
@@ -88,7 +106,7 @@ class Waits:
         self.waiter = None
         self.state.clear()
         passed = self.pass_on | self.unserved
-        self.pass_on, self.unserved = set(), set()
+        self.pass_on, self.unserved, self.rearm = set(), set(), set()
         return passed
 
     def woken(self, queue: str, consumed: Collection[str]) -> None:
@@ -99,6 +117,13 @@ class Waits:
             self.pass_on.add(queue)
         else:
             self.unserved.add(queue)
+
+    def handed(self, queue: str) -> None:
+        """A hand-off on this consumer's channel: its registration on ``queue`` was deleted,
+        and the message it announced came with it (nothing to pass on)."""
+        self.state.pop(queue, None)
+        self._wakes[queue] = self._wakes.get(queue, 0) + 1
+        self.rearm.add(queue)
 
     def gated(self, queues: Collection[str]) -> None:
         """The consumer will not claim ``queues`` now (its prefetch window is closed): a
@@ -113,6 +138,7 @@ class Waits:
             return None
         mine = [q for q in queues if q in consumed]
         self.unserved.difference_update(mine)
+        self.rearm.difference_update(mine)
         register = [q for q in mine if q not in self.state]
         barrier = [q for q in mine if self.state.get(q, UNQUIET) == UNQUIET]
         return Ticket(WaitPlan(self.waiter, register, barrier),

@@ -80,7 +80,9 @@ SELECT g.n, g.id, g.holder_id, g.holder_task_id
 -- Waiting (0017_wake_one.sql): when the claim drains, the queues in %(register)s are registered
 -- as waited on by consumer %(waiter)s (NULL: a consumer that polls), and the wake lock of each
 -- queue in %(barrier)s is tried; then one kind 'w' row says whether every try got its lock
--- (id 1: no publish to those queues was in flight, id 0: one was).
+-- (id 1: no publish to those queues was in flight, id 0: one was). A registration with
+-- %(hand_off)s names this consumer's worker and lease TTL: a publish claims its message for the
+-- consumer and the wake-up carries it (0018_hand_off.sql).
 WITH given AS (
     -- The fenced acks, read once: which of them hold slots, and under which keys.
     SELECT a.id, a.claim, j.limits -> 'concurrency' AS caps
@@ -184,8 +186,9 @@ WITH given AS (
                            ON w.state = 'waiting' AND w.waiting_on = e.value ->> 'key')
        AS yes
 ), waiting AS (
-    INSERT INTO {schema}.pgjobs_waiter (queue, waiter)
-    SELECT wanted.name, %(waiter)s::bigint
+    INSERT INTO {schema}.pgjobs_waiter (queue, waiter, worker, lease_ttl)
+    SELECT wanted.name, %(waiter)s::bigint, %(worker)s,
+           CASE WHEN %(hand_off)s THEN %(ttl)s::float8 END
       FROM unnest(%(register)s::text[]) AS wanted(name)
      WHERE %(waiter)s::bigint IS NOT NULL AND (SELECT yes FROM drained)
     ON CONFLICT DO NOTHING

@@ -1,0 +1,178 @@
+"""A publish that wakes an idle consumer claims its message for it (0018_hand_off.sql).
+
+The trigger is driven by real publishes through kombu; the registrations are made either by a
+hand-written waiter (a connection holding its wake id's lock and LISTENing on its channel, to
+read exactly what the trigger sends) or by real kombu consumers.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import kombu
+import psycopg
+import pytest
+
+from kombu_pgjobs.waiting import handed_row
+
+from .conftest import wait_for
+from .test_wake_one import Drainer, _waiters
+
+QUEUE = "ho"
+
+
+def _producer(url: str, schema: str, **options: Any) -> kombu.Connection:
+    conn = kombu.Connection(url, transport_options={"schema": schema, **options})
+    kombu.Queue(QUEUE, channel=conn.default_channel).declare()
+    return conn
+
+
+@contextmanager
+def _waiter(dsn: str, schema: str, *, lease_ttl: float | None = 30.0,
+            worker: str = "hand:1") -> Iterator[tuple[psycopg.Connection[Any], int]]:
+    """A registration as a consumer makes it: the wake id's lock held, its channel LISTENed."""
+    waiter = random.randrange(2**32, 2**62)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("SELECT pg_advisory_lock(%s)", [waiter])
+        conn.execute(f'LISTEN "pgjobs.w.{waiter}"')
+        conn.execute(f'INSERT INTO "{schema}".pgjobs_waiter (queue, waiter, worker, lease_ttl) '
+                     "VALUES (%s, %s, %s, %s)", [QUEUE, waiter, worker, lease_ttl])
+        yield conn, waiter
+
+
+def _row(db: psycopg.Connection[Any], schema: str) -> tuple[Any, ...]:
+    return db.execute(
+        f"SELECT id, state, claim, attempts, worker, "
+        f"       extract(epoch FROM lease_expires_at - created_at)::float8 "
+        f'  FROM "{schema}".pgjobs_job WHERE queue = %s', [QUEUE]).fetchone()
+
+
+def test_a_publish_hands_its_message_to_the_consumer_it_wakes(
+        url: str, dsn: str, schema: str, db: psycopg.Connection[Any]) -> None:
+    producer = _producer(url, schema)
+    try:
+        with _waiter(dsn, schema) as (conn, _):
+            producer.SimpleQueue(QUEUE).put({"n": 1})
+            (note,) = list(conn.notifies(timeout=5, stop_after=1))
+        row = handed_row(note.payload)
+        assert row is not None and row.queue == QUEUE
+        job_id, state, claim, attempts, worker, lease = _row(db, schema)
+        # Claimed in the publish's own transaction: the lease starts at the row's creation.
+        assert (row.id, row.claim) == (job_id, claim) == (job_id, 1)
+        assert (state, attempts, worker, lease) == ("running", 1, "hand:1", 30.0)
+        stored = db.execute(f'SELECT message::text FROM "{schema}".pgjobs_job').fetchone()[0]
+        assert row.message == stored
+        assert _waiters(db, schema, QUEUE) == 0  # the registration went with the hand-off
+    finally:
+        producer.release()
+
+
+@pytest.mark.parametrize("case", ["countdown", "limits", "paused", "large", "async_commit",
+                                  "wake_only"])
+def test_messages_a_claim_would_not_take_at_once_only_wake_the_consumer(
+        case: str, url: str, dsn: str, schema: str, db: psycopg.Connection[Any]) -> None:
+    """Not due, under a limit, on a paused queue, too large for a payload, committed
+    asynchronously (a crash could lose the claim), or a consumer that wants wake-ups only:
+    the wake-up names the queue and the row stays ready for the consumer's claim."""
+    options = {"durable_publish": False} if case == "async_commit" else {}
+    producer = _producer(url, schema, **options)
+    try:
+        if case == "paused":
+            db.execute(f'UPDATE "{schema}".pgjobs_queue SET paused = true WHERE name = %s',
+                       [QUEUE])
+        body: Any = {"n": 1}
+        with _waiter(dsn, schema, lease_ttl=None if case == "wake_only" else 30.0) as (
+                conn, _):
+            p = producer.Producer()
+            if case == "countdown":
+                p.publish(body, routing_key=QUEUE, headers={"eta": "2999-01-01T00:00:00"})
+            elif case == "limits":
+                p.publish(body, routing_key=QUEUE, headers={
+                    "x-pgjobs-limits": {"concurrency": [{"key": "k:1", "limit": 1}]}})
+            elif case == "large":
+                p.publish({"pad": "x" * 8000}, routing_key=QUEUE)
+            else:
+                p.publish(body, routing_key=QUEUE)
+            notes = list(conn.notifies(timeout=5, stop_after=1))
+        assert [n.payload for n in notes] == [QUEUE]
+        _, state, claim, attempts, worker, _ = _row(db, schema)
+        assert (state, claim, attempts, worker) == ("ready", 0, 0, None)
+    finally:
+        producer.release()
+
+
+def test_a_consumer_takes_a_handed_message_without_claiming_and_acks_it(
+        url: str, schema: str, db: psycopg.Connection[Any]) -> None:
+    """A real consumer: the message it runs was claimed by the publish (its lease starts at
+    the row's creation), and its ack (fenced on that claim) deletes the row."""
+    held = threading.Event()
+    release = threading.Event()
+    consumer = Drainer(url, schema, [QUEUE], "pgjt-hand")
+
+    def on(body: Any, message: Any) -> None:
+        consumer.got.append((body, message.delivery_tag))
+        held.set()
+        release.wait(10)
+        message.ack()
+
+    consumer._on = on
+    producer = _producer(url, schema)
+    try:
+        consumer.start()
+        wait_for(lambda: _waiters(db, schema, QUEUE) == 1, 10, what="registered")
+        producer.SimpleQueue(QUEUE).put({"n": 7})
+        assert held.wait(10)
+        job_id, state, claim, attempts, worker, lease = _row(db, schema)
+        assert (state, claim, attempts, lease) == ("running", 1, 1, 30.0)
+        assert worker == consumer.conn.transport.backend.worker
+        assert consumer.got == [({"n": 7}, f"{job_id}.1")]
+        release.set()
+        wait_for(lambda: _row(db, schema) is None, 10, what="the ack")
+        wait_for(lambda: _waiters(db, schema, QUEUE) == 1, 10, what="registered again")
+    finally:
+        release.set()
+        consumer.stop_event.set()
+        consumer.join(10)
+        producer.release()
+    assert consumer.error is None
+
+
+def test_a_message_handed_to_a_full_window_goes_back_unstarted(
+        url: str, schema: str, db: psycopg.Connection[Any]) -> None:
+    """C1 (prefetch 1) waits on queues A and B, C2 on B only, registered after C1. A message
+    to A fills C1's window; one to B is then handed to C1 (the oldest registration), which
+    cannot take it: it goes back uncounted and C2 runs it, on its first counted attempt."""
+    a, b = f"{QUEUE}-a", f"{QUEUE}-b"
+    first = Drainer(url, schema, [a, b], "pgjt-hand-full")
+    first.prefetch = 1
+    first._on = lambda body, message: first.got.append((body, message.delivery_tag))  # no ack
+    second = Drainer(url, schema, [b], "pgjt-hand-other")
+    second._on = lambda body, message: second.got.append((body, message.delivery_tag))
+    producer = kombu.Connection(url, transport_options={"schema": schema})
+    try:
+        for q in (a, b):
+            kombu.Queue(q, channel=producer.default_channel).declare()
+        first.start()
+        wait_for(lambda: _waiters(db, schema, a) + _waiters(db, schema, b) == 2, 10,
+                 what="C1 registered on both")
+        second.start()
+        wait_for(lambda: _waiters(db, schema, b) == 2, 10, what="C2 registered")
+        producer.SimpleQueue(a).put({"to": "a"})
+        wait_for(lambda: first.got, 10, what="C1 took A's message")
+        producer.SimpleQueue(b).put({"to": "b"})
+        wait_for(lambda: second.got, 10, what="C2 got the message C1 handed back")
+        assert [body for body, _ in first.got] == [{"to": "a"}]
+        row = db.execute(f'SELECT claim, attempts, state FROM "{schema}".pgjobs_job '
+                         "WHERE queue = %s", [b]).fetchone()
+        assert row == (2, 1, "running"), "handed back uncounted, then claimed by C2"
+    finally:
+        for d in (first, second):
+            d.stop_event.set()
+        for d in (first, second):
+            d.join(10)
+        producer.release()
+    assert first.error is None and second.error is None
