@@ -17,6 +17,7 @@ import kombu
 import psycopg
 import pytest
 
+from kombu_pgjobs import outbox
 from kombu_pgjobs.waiting import handed_row
 
 from .conftest import wait_for
@@ -71,15 +72,13 @@ def test_a_publish_hands_its_message_to_the_consumer_it_wakes(
         producer.release()
 
 
-@pytest.mark.parametrize("case", ["countdown", "limits", "paused", "large", "async_commit",
-                                  "wake_only"])
+@pytest.mark.parametrize("case", ["countdown", "limits", "paused", "large", "wake_only"])
 def test_messages_a_claim_would_not_take_at_once_only_wake_the_consumer(
         case: str, url: str, dsn: str, schema: str, db: psycopg.Connection[Any]) -> None:
-    """Not due, under a limit, on a paused queue, too large for a payload, committed
-    asynchronously (a crash could lose the claim), or a consumer that wants wake-ups only:
-    the wake-up names the queue and the row stays ready for the consumer's claim."""
-    options = {"durable_publish": False} if case == "async_commit" else {}
-    producer = _producer(url, schema, **options)
+    """Not due, under a limit, on a paused queue, too large for a payload, or a consumer that
+    wants wake-ups only: the wake-up names the queue and the row stays ready for the
+    consumer's claim."""
+    producer = _producer(url, schema)
     try:
         if case == "paused":
             db.execute(f'UPDATE "{schema}".pgjobs_queue SET paused = true WHERE name = %s',
@@ -176,3 +175,24 @@ def test_a_message_handed_to_a_full_window_goes_back_unstarted(
             d.join(10)
         producer.release()
     assert first.error is None and second.error is None
+
+
+@pytest.mark.parametrize("waiting", [True, False])
+def test_a_publish_that_hands_off_commits_durably_even_when_asynchronous(
+        waiting: bool, url: str, dsn: str, schema: str, db: psycopg.Connection[Any]) -> None:
+    """A claim is durable: an asynchronous transaction (durable_publish=False's setting) that
+    hands a message off is flushed at its commit (synchronous_commit=local); one that only
+    inserts stays asynchronous."""
+    producer = _producer(url, schema)
+    try:
+        with _waiter(dsn, schema, lease_ttl=30.0 if waiting else None) as (conn, _):
+            with psycopg.connect(dsn) as app, app.transaction():
+                app.execute("SET LOCAL synchronous_commit = off")
+                with outbox.transaction(app, schema=schema):
+                    producer.Producer().publish({"n": 1}, routing_key=QUEUE)
+                setting = app.execute("SHOW synchronous_commit").fetchone()[0]
+            (note,) = list(conn.notifies(timeout=5, stop_after=1))
+        assert (handed_row(note.payload) is not None) == waiting
+        assert setting == ("local" if waiting else "off")
+    finally:
+        producer.release()

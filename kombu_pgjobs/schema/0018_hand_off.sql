@@ -14,9 +14,11 @@
 -- (NULL: a consumer that wants wake-ups only, transport option hand_off=False). A woken
 -- consumer gets at most one message per registration (the registration is deleted as before).
 --
--- Only a publish that commits durably hands off (not durable_publish=False, whose commit
--- a crash can lose: the claim must be as durable as the claim statement's). Only a message
--- the claim statement would take at once, unchanged, is handed off: ready, due,
+-- A claim is durable: a publish that hands off and would commit asynchronously
+-- (durable_publish=False, synchronous_commit=off) has its commit flushed to the local disk
+-- (synchronous_commit=local for this transaction) before the NOTIFY goes out, so a crash can
+-- never lose a claim whose holder runs it. (With confirm_publish=False the publisher does not
+-- wait for that commit.) Only a message the claim statement would take at once, unchanged, is handed off: ready, due,
 -- not expired, without limits (a limit is admitted by the claim statement, with its key's
 -- lock), on a queue that is not paused, and small enough for a NOTIFY payload (its stored
 -- text under 7,000 bytes). Any other message wakes the consumer as before, which claims it.
@@ -76,10 +78,7 @@ BEGIN
             -- Its consumer holds the lock while it lives: a free lock is a dead registration.
             CONTINUE WHEN pg_try_advisory_xact_lock_shared(w.waiter);
             job_id := NULL;
-            -- Only in a transaction that commits durably: a claim committed asynchronously
-            -- (durable_publish=False) could be lost in a crash while its holder runs it.
-            IF w.lease_ttl IS NOT NULL
-               AND current_setting('synchronous_commit') <> 'off' THEN
+            IF w.lease_ttl IS NOT NULL THEN
                 IF paused IS NULL THEN
                     paused := coalesce((SELECT p.paused FROM {schema}.pgjobs_queue AS p
                                          WHERE p.name = q.queue), false);
@@ -105,6 +104,12 @@ BEGIN
                        AND j.state = 'ready'
                     RETURNING j.id, j.claim, j.message::text
                          INTO job_id, job_claim, job_message;
+                    IF job_id IS NOT NULL
+                       AND current_setting('synchronous_commit') = 'off' THEN
+                        -- A claim is durable: this transaction's commit is flushed (to the
+                        -- local disk at least) before its holder hears of it.
+                        PERFORM set_config('synchronous_commit', 'local', true);
+                    END IF;
                 END IF;
             END IF;
             IF job_id IS NULL THEN
