@@ -3,7 +3,7 @@
     python -m bench.notify [--threads 8] [--seconds 5] [--runs 3]
                            [--consumers 1,6,16] [--messages 200] [--gap 0.02]
 
-Since schema version 17 the insert trigger (``pgjobs_wake_v1``, schema/0017) wakes one
+Since schema version 17 the insert trigger (``pgjobs_wake_v2`` since version 18) wakes one
 registered consumer per message and sends no NOTIFY when no consumer waits. Each figure is
 measured with three triggers on the job table, side by side: ``wake`` (today's), ``broadcast``
 (version 1's ``pgjobs_notify_v1``, installed here from its migration for the comparison:
@@ -94,7 +94,7 @@ def _setup(trigger: str) -> None:
                       "pgjobs_consumer"):
             conn.execute(f'ALTER TABLE "{SCHEMA}".{table} SET (autovacuum_enabled = false)')
         if trigger != "wake":
-            conn.execute(f'ALTER TABLE "{SCHEMA}".pgjobs_job DISABLE TRIGGER pgjobs_job_wake_v1')
+            conn.execute(f'ALTER TABLE "{SCHEMA}".pgjobs_job DISABLE TRIGGER pgjobs_job_wake_v2')
         if trigger == "broadcast":
             conn.execute(_broadcast_trigger().replace("{schema}", f'"{SCHEMA}"'))
 

@@ -113,6 +113,9 @@ class ConsumerLoop:
         # Messages publishes claimed for this consumer (hand-offs read from its wake channel),
         # delivered by the next pump: see _deliver_handed.
         self.handed: list[Claimed] = []
+        # The wake id of a claim connection dropped while it listened: its session may live
+        # on at the server (a network cut it has not noticed), its registrations with it.
+        self._dropped_waiter: int | None = None
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -183,7 +186,15 @@ class ConsumerLoop:
         channel = sql.Identifier(core.channel)
         if want:
             waiter = self.waits.start()
+            # Nothing is registered under a new wake id: claim every queue (a claim that
+            # drains registers it), or no publish would wake this connection.
+            self.dirty.update(self.consumed())
             core.hold_waiter(conn, waiter)
+            if self._dropped_waiter is not None:
+                # A half-dead session holds its wake id's lock, so its registrations look
+                # alive: each would swallow a hand-off until its lease lapsed. Drop them.
+                core.unwait(conn, self._dropped_waiter, release=False)
+                self._dropped_waiter = None
             conn.execute(sql.SQL("LISTEN {}").format(channel))
             conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.waits.channel)))
         else:
@@ -218,6 +229,8 @@ class ConsumerLoop:
         socket may reuse the number, and the Hub must not lose another reader of it)."""
         conn, self.conn = self.conn, None
         self.listening = False
+        if self.waits.waiter is not None:
+            self._dropped_waiter = self.waits.waiter
         self.waits.stop()  # the server drops a closed session's registrations' locks
         if conn is None:
             return

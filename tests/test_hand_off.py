@@ -20,8 +20,9 @@ import pytest
 from kombu_pgjobs import outbox
 from kombu_pgjobs.waiting import handed_row
 
-from .conftest import wait_for
+from .conftest import broker_url, wait_for
 from .test_wake_one import Drainer, _waiters
+from .wirecount import WireCounter
 
 QUEUE = "ho"
 
@@ -196,3 +197,37 @@ def test_a_publish_that_hands_off_commits_durably_even_when_asynchronous(
         assert setting == ("local" if waiting else "off")
     finally:
         producer.release()
+
+
+def test_a_reconnected_consumer_drops_the_registrations_of_its_half_dead_session(
+        dsn: str, schema: str, db: psycopg.Connection[Any]) -> None:
+    """The network between a consumer and PostgreSQL is cut while the consumer waits; the
+    server has not noticed, so the old session still holds its wake id's lock and its
+    registration looks alive. The consumer reconnects and must drop that registration: else
+    the next publish hands its message to the dead session, where it waits out its lease."""
+    info = psycopg.conninfo.conninfo_to_dict(dsn)
+    with WireCounter(info.get("host") or "127.0.0.1", int(info.get("port") or 5432)) as proxy:
+        url = (f"pgjobs://{info.get('user', 'postgres')}@127.0.0.1:{proxy.port}/"
+               f"{info.get('dbname', 'test')}")
+        consumer = Drainer(url, schema, [QUEUE], "pgjt-hand-cut", lease_ttl=60.0)
+        producer = _producer(broker_url(), schema)
+        try:
+            consumer.start()
+            wait_for(lambda: _waiters(db, schema, QUEUE) == 1, 10, what="registered")
+            (old,) = db.execute(f'SELECT waiter FROM "{schema}".pgjobs_waiter').fetchone()
+            proxy.strand()
+            wait_for(lambda: db.execute(
+                f'SELECT count(*) FROM "{schema}".pgjobs_waiter WHERE waiter <> %s',
+                [old]).fetchone()[0] == 1, 15, what="registered again on a new session")
+            assert db.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' "
+                              "AND ((classid::bigint << 32) | objid::bigint) = %s",
+                              [old]).fetchone()[0] == 1, "the old session lives on"
+            assert db.execute(f'SELECT count(*) FROM "{schema}".pgjobs_waiter WHERE waiter = %s',
+                              [old]).fetchone()[0] == 0
+            producer.SimpleQueue(QUEUE).put({"n": 1})
+            wait_for(lambda: consumer.got, 5, what="the message, on the live session")
+        finally:
+            consumer.stop_event.set()
+            consumer.join(10)
+            producer.release()
+    assert consumer.error is None

@@ -28,6 +28,8 @@ class WireCounter:
         self.lock = threading.Lock()
         self._closing = False
         self._socks: list[socket.socket] = []
+        self._clients: list[socket.socket] = []
+        self._kept: set[socket.socket] = set()  # server sides left open by strand()
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:
@@ -38,6 +40,7 @@ class WireCounter:
                 return
             upstream = socket.create_connection(self.upstream)
             self._socks += [client, upstream]
+            self._clients.append(client)
             threading.Thread(target=self._client_to_server, args=(client, upstream),
                              daemon=True).start()
             threading.Thread(target=self._relay, args=(upstream, client), daemon=True).start()
@@ -103,13 +106,27 @@ class WireCounter:
         finally:
             self._close(src, dst)
 
-    @staticmethod
-    def _close(*socks: socket.socket) -> None:
+    def _close(self, *socks: socket.socket) -> None:
         for s in socks:
+            if s in self._kept:
+                continue
             try:
                 s.close()
             except OSError:
                 pass
+
+    def strand(self) -> None:
+        """Cut every client connection made so far while its server session lives on (a
+        network cut the server has not noticed): the client's socket is shut, the server's is
+        left open and silent, so the session keeps its locks and LISTENs until :meth:`close`."""
+        clients = set(self._clients)
+        self._kept.update(s for s in self._socks if s not in clients)
+        for c in clients:
+            try:
+                c.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self._clients = []
 
     def count(self) -> int:
         with self.lock:
@@ -117,6 +134,7 @@ class WireCounter:
 
     def close(self) -> None:
         self._closing = True
+        self._kept.clear()
         self._close(self.server, *self._socks)
 
     def __enter__(self) -> WireCounter:
