@@ -373,7 +373,8 @@ class Backend:
             self.core.commit_async(conn)
         if not self.options.confirm_publish:
             insert = self.core.insert_query("job_insert",
-                                            durable=self.options.durable_publish)
+                                            durable=self.options.durable_publish,
+                                            own_transaction=True)  # one per message
             self._unconfirmed = Unconfirmed(conn, insert,
                                             prepare=self.options.use_listen_notify)
             if self._resend:

@@ -305,14 +305,14 @@ class ConsumerLoop:
         the socket unreadable: :meth:`pump` claims again at once instead of waiting for it.
         On this consumer's own channel the payload may be a hand-off: a message claimed for
         this consumer, queued for the next pump to deliver."""
-        if self.waits.waiter is not None and channel == self.waits.channel:
-            row = handed_row(queue)
-            if row is not None:
-                queue = row.queue
+        row = handed_row(queue)
+        if row is not None:  # (on any wake channel of this loop: the row is ours either way)
+            queue = row.queue
+            self.handed.append(row)
+            if channel == self.waits.channel:
                 self.waits.handed(queue)
-                self.handed.append(row)
-            else:
-                self.waits.woken(queue, self.consumed())
+        elif self.waits.waiter is not None and channel == self.waits.channel:
+            self.waits.woken(queue, self.consumed())
         if self.owns is not None and not self.owns(queue):
             return  # a shard's loop claims only the queues the map gives its database
         self.dirty.add(queue)
@@ -552,17 +552,20 @@ class ConsumerLoop:
             rows, self.handed = self.handed, []
         back: list[Claimed] = []
         delivered = 0
-        for row in rows:
-            channel = self._channel_of(row.queue)
-            if channel is None or not channel.qos.can_consume():
-                back.append(row)
-                continue
-            if row.queue in channel._no_ack_queues:
-                self.backend.buffer_ack(row.id, row.claim)
-            else:
-                self.backend.hold([(row.id, row.claim)])
-            delivered += self.deliver([row])
-        self._hand_back(back)
+        try:
+            while rows:
+                row = rows.pop(0)
+                channel = self._channel_of(row.queue)
+                if channel is None or not channel.qos.can_consume():
+                    back.append(row)
+                    continue
+                if row.queue in channel._no_ack_queues:
+                    self.backend.buffer_ack(row.id, row.claim)
+                else:
+                    self.backend.hold([(row.id, row.claim)])
+                delivered += self.deliver([row])
+        finally:  # a consumer's callback raised: the rows not delivered go back too
+            self._hand_back(back + rows)
         return delivered
 
     def _return_handed(self) -> None:
@@ -587,7 +590,9 @@ class ConsumerLoop:
         when its result comes in, by a later call. Database failures never leave this method:
         they are the ``broken`` transition, retried after a backoff."""
         self.again = False
-        handed = self._deliver_handed()  # first: they need no statement (even when broken)
+        # First, as they need no statement (even when broken); but never while a claim is in
+        # flight: its rows count against the window first (_pump delivers these after them).
+        handed = self._deliver_handed() if self.inflight is None else 0
         if not self._may_claim():
             return handed
         self.woken = False
@@ -606,6 +611,8 @@ class ConsumerLoop:
             delivered += self.deliver(self.poll_inflight())
             if self.inflight is not None:
                 return delivered  # the claim connection is busy until its result is read
+        # Hand-offs read with a statement's result, before any window is measured below.
+        delivered += self._deliver_handed()
         transport = self.transport
         consuming = self._consuming()
         if consuming != self.listening:  # LISTEN while consuming, and only then
@@ -806,6 +813,14 @@ class ConsumerLoop:
                 # next flush (fenced: a retry can only miss).
                 self.backend.restore_acks(self.inflight[3])
                 self.inflight = None
+            if (self.listening and self.state is State.CONNECTED and self.conn is not None
+                    and not self.conn.closed):
+                # A healthy connection says goodbye: its registrations go (no publish hands
+                # it anything more), and hand-offs already sent to it are read and go back.
+                try:
+                    self._listen(False)
+                except Exception:  # a dying connection: the leases lapse instead
+                    pass
             if self.handed:
                 self._return_handed()
             if self.hub is not None:

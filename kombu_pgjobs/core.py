@@ -323,6 +323,11 @@ _ASYNC_COMMIT: weakref.WeakSet[psycopg.Connection[Any]] = weakref.WeakSet()
 _ASYNC_JOIN = ("CROSS JOIN (SELECT set_config('synchronous_commit', 'off', true)) "
                "AS async_commit\n  ")
 _ASYNC_ANCHOR = "LEFT JOIN {schema}.pgjobs_queue AS q"
+#: Joined into a publish statement that is its whole transaction (autocommit, or one message
+#: of a pipeline): the wake trigger may hand its messages off (0018_hand_off.sql), whose
+#: leases start with the transaction.
+_HAND_OFF_JOIN = ("CROSS JOIN (SELECT set_config('pgjobs.hand_off', 'on', true)) "
+                  "AS hand_off\n  ")
 #: job_insert's constant one-row source (replaced by a CTE in QueueCore.insert_from)
 _ONE_ROW = "FROM (SELECT) AS one"
 #: job_insert_guarded's select list and call (fed by a CTE in QueueCore.insert_from)
@@ -331,12 +336,14 @@ _GUARDED_CALL = ("SELECT g.n, g.id, g.holder_id, g.holder_task_id\n"
 
 
 @cache
-def _async_insert(schema: str, name: str) -> sql.Composed:
-    """Publish statement ``name`` with :data:`_ASYNC_JOIN` joined in (cached per schema)."""
+def _publish_variant(schema: str, name: str, durable: bool, hand_off: bool) -> sql.Composed:
+    """Publish statement ``name`` with :data:`_ASYNC_JOIN` (not ``durable``) and
+    :data:`_HAND_OFF_JOIN` (``hand_off``) joined in (cached per schema)."""
     text = raw_queries()[name]
     if text.count(_ASYNC_ANCHOR) != 1:  # the statement changed shape: say so, never publish
-        raise RuntimeError(f"{name}: cannot place the per-transaction synchronous_commit")
-    return sql.SQL(text.replace(_ASYNC_ANCHOR, _ASYNC_JOIN + _ASYNC_ANCHOR)).format(
+        raise RuntimeError(f"{name}: cannot place the per-transaction settings")
+    joins = ("" if durable else _ASYNC_JOIN) + (_HAND_OFF_JOIN if hand_off else "")
+    return sql.SQL(text.replace(_ASYNC_ANCHOR, joins + _ASYNC_ANCHOR)).format(
         schema=sql.Identifier(schema))  # type: ignore[arg-type]
 
 
@@ -402,13 +409,18 @@ class QueueCore:
         statements on ``conn`` (declares, purges) stay durable."""
         _ASYNC_COMMIT.add(conn)
 
-    def insert_query(self, name: str, *, durable: bool = True) -> sql.Composed:
+    def insert_query(self, name: str, *, durable: bool = True,
+                     own_transaction: bool = False) -> sql.Composed:
         """Publish statement ``name`` (job_insert, job_insert_many, job_insert_fanout), as
-        :meth:`commit_async` runs it when not ``durable``."""
-        return self.q[name] if durable else _async_insert(self.schema, name)
+        :meth:`commit_async` runs it when not ``durable``; ``own_transaction``: the statement
+        is its whole transaction, so the wake trigger may hand its messages off."""
+        if durable and not own_transaction:
+            return self.q[name]
+        return _publish_variant(self.schema, name, durable, own_transaction)
 
     def _insert(self, conn: psycopg.Connection, name: str) -> sql.Composed:
-        return self.insert_query(name, durable=conn not in _ASYNC_COMMIT)
+        return self.insert_query(name, durable=conn not in _ASYNC_COMMIT,
+                                 own_transaction=getattr(conn, "autocommit", False))
 
     def publish(self, conn: psycopg.Connection, job: NewJob) -> PublishOutcome | None:
         """Insert one message (one round trip). Durable when ``conn`` commits (unless

@@ -183,18 +183,39 @@ def test_a_publish_that_hands_off_commits_durably_even_when_asynchronous(
         waiting: bool, url: str, dsn: str, schema: str, db: psycopg.Connection[Any]) -> None:
     """A claim is durable: an asynchronous transaction (durable_publish=False's setting) that
     hands a message off is flushed at its commit (synchronous_commit=local); one that only
-    inserts stays asynchronous."""
+    inserts stays asynchronous. One transaction set as a publish of durable_publish=False
+    sets its own (pgjobs.hand_off: the statement is its whole transaction)."""
+    _producer(url, schema).release()  # the schema and the queue
+    with _waiter(dsn, schema, lease_ttl=30.0 if waiting else None) as (conn, _):
+        with psycopg.connect(dsn, autocommit=True) as app:
+            cur = app.execute(
+                "SELECT set_config('synchronous_commit', 'off', true), "
+                "       set_config('pgjobs.hand_off', 'on', true); "
+                f'INSERT INTO "{schema}".pgjobs_job (queue, message) '
+                f"VALUES ('{QUEUE}', '{{\"n\": 1}}'); "
+                "SELECT current_setting('synchronous_commit')")
+            cur.nextset()  # the INSERT's
+            cur.nextset()  # the last SELECT's
+            setting = cur.fetchone()[0]
+        (note,) = list(conn.notifies(timeout=5, stop_after=1))
+    assert (handed_row(note.payload) is not None) == waiting
+    assert setting == ("local" if waiting else "off")
+
+
+def test_a_publish_inside_a_longer_transaction_only_wakes(
+        url: str, dsn: str, schema: str, db: psycopg.Connection[Any]) -> None:
+    """An outbox publish in the app's transaction: the lease would start at the transaction's
+    start and the commit may come any time later, so the consumer is only woken."""
     producer = _producer(url, schema)
     try:
-        with _waiter(dsn, schema, lease_ttl=30.0 if waiting else None) as (conn, _):
+        with _waiter(dsn, schema) as (conn, _):
             with psycopg.connect(dsn) as app, app.transaction():
-                app.execute("SET LOCAL synchronous_commit = off")
+                app.execute("SELECT 1")
                 with outbox.transaction(app, schema=schema):
                     producer.Producer().publish({"n": 1}, routing_key=QUEUE)
-                setting = app.execute("SHOW synchronous_commit").fetchone()[0]
-            (note,) = list(conn.notifies(timeout=5, stop_after=1))
-        assert (handed_row(note.payload) is not None) == waiting
-        assert setting == ("local" if waiting else "off")
+            notes = list(conn.notifies(timeout=5, stop_after=1))
+        assert [n.payload for n in notes] == [QUEUE]
+        assert _row(db, schema)[1:4] == ("ready", 0, 0)
     finally:
         producer.release()
 

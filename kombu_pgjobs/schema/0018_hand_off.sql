@@ -18,10 +18,17 @@
 -- (durable_publish=False, synchronous_commit=off) has its commit flushed to the local disk
 -- (synchronous_commit=local for this transaction) before the NOTIFY goes out, so a crash can
 -- never lose a claim whose holder runs it. (With confirm_publish=False the publisher does not
--- wait for that commit.) Only a message the claim statement would take at once, unchanged, is handed off: ready, due,
--- not expired, without limits (a limit is admitted by the claim statement, with its key's
--- lock), on a queue that is not paused, and small enough for a NOTIFY payload (its stored
--- text under 7,000 bytes). Any other message wakes the consumer as before, which claims it.
+-- wait for that commit.)
+--
+-- Only a publish statement that is its whole transaction hands off (an autocommit publish,
+-- each message of a pipelined one; the statement says so by setting pgjobs.hand_off = 'on'
+-- for its transaction): the lease starts at the transaction's start, and a transaction that
+-- goes on (an outbox publish inside the app's transaction) could commit after the lease it
+-- gave had lapsed. Its wake-up is a plain one. And only a message the claim
+-- statement would take at once, unchanged, is handed off: ready, due, not expired, without
+-- limits (a limit is admitted by the claim statement, with its key's lock), on a queue that is
+-- not paused, and small enough for a NOTIFY payload (its stored text under 7,000 bytes). Any
+-- other message wakes the consumer as before, which claims it.
 --
 -- The payload of a hand-off (on the consumer's channel 'pgjobs.w.<waiter>'):
 --     E'\x1e' || id || ' ' || claim || ' ' || length(queue) || ' ' || queue || message
@@ -78,7 +85,9 @@ BEGIN
             -- Its consumer holds the lock while it lives: a free lock is a dead registration.
             CONTINUE WHEN pg_try_advisory_xact_lock_shared(w.waiter);
             job_id := NULL;
-            IF w.lease_ttl IS NOT NULL THEN
+            -- (a publish that is its own transaction: see the header)
+            IF w.lease_ttl IS NOT NULL
+               AND current_setting('pgjobs.hand_off', true) = 'on' THEN
                 IF paused IS NULL THEN
                     paused := coalesce((SELECT p.paused FROM {schema}.pgjobs_queue AS p
                                          WHERE p.name = q.queue), false);
