@@ -65,6 +65,10 @@ __all__ = ["ConsumerLoop", "State", "is_connection_failure", "refill_mark"]
 
 log = logging.getLogger("kombu_pgjobs")
 
+#: Round trips a connection that stops listening waits for the wake-ups of registrations
+#: publishes took (ConsumerLoop._await_taken).
+TAKEN_READS = 20
+
 #: Reconnect backoff after a failure: first wait, and the most it grows to.
 BACKOFF_FIRST = 0.1
 BACKOFF_MAX = 5.0
@@ -199,13 +203,23 @@ class ConsumerLoop:
             conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.waits.channel)))
         else:
             if self.waits.waiter is not None:
-                core.unwait(conn, self.waits.waiter)
+                self._await_taken(conn, core.unwait(conn, self.waits.waiter))
             conn.execute(sql.SQL("UNLISTEN *"))
             passed = self.waits.stop()  # wake-ups read meanwhile go to the others
             if passed:
                 core.wake_all(conn, sorted(passed))
             self._return_handed()
         self.listening = want
+
+    def _await_taken(self, conn: psycopg.Connection[Any], dropped: Collection[str]) -> None:
+        """Before UNLISTEN: a registration this connection had and did not drop itself was
+        taken by a publish that committed just now, and its wake-up (maybe a hand-off) is on
+        its way; read it (a few round trips at most), or it would be lost with the LISTEN."""
+        for _ in range(TAKEN_READS):
+            if all(q in dropped for q in self.waits.state):  # each read pops a woken queue
+                return
+            time.sleep(0.001)
+            conn.execute("SELECT 1")  # a round trip: the notifications sent meanwhile come in
 
     def stop_listening(self) -> None:
         """The connection's last consumer was cancelled (a basic_get caller, a reply

@@ -591,12 +591,15 @@ class QueueCore:
         conn.execute(self.q["waiter_hold"], {"waiter": waiter})
 
     def unwait(self, conn: psycopg.Connection, waiter: int,
-               queues: Sequence[str] | None = None, *, release: bool | None = None) -> None:
+               queues: Sequence[str] | None = None, *,
+               release: bool | None = None) -> list[str]:
         """Drop consumer ``waiter``'s registrations (of ``queues``; None: all of them, and
-        its wake id's lock unless ``release`` is False: a wake id of another session)."""
-        conn.execute(self.q["waiter_forget"], {
+        its wake id's lock unless ``release`` is False: a wake id of another session).
+        Returns the queues whose registrations were dropped."""
+        row = conn.execute(self.q["waiter_forget"], {
             "waiter": waiter, "queues": None if queues is None else list(queues),
-            "release": queues is None if release is None else release})
+            "release": queues is None if release is None else release}).fetchone()
+        return list(row[0]) if row else []
 
     def wake_all(self, conn: psycopg.Connection, queues: Sequence[str]) -> None:
         """Tell every consumer of ``queues`` to claim (a wake-up that reached a consumer

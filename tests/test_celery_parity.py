@@ -40,11 +40,14 @@ def _rows(db: psycopg.Connection[Any], schema: str, task_id: str) -> int:
 
 
 def test_expires_behind_a_busy_queue_ends_revoked(db, parity, recorder_tables, start_worker):
-    """expires=1 behind four 2-second tasks on a one-slot worker: TaskRevokedError, never run
-    (before: the row was dropped silently and get() waited forever)."""
+    """expires=1 behind 2-second tasks on a one-slot worker: TaskRevokedError, never run
+    (before: the row was dropped silently and get() waited forever). Five of them: one runs
+    and four fill the prefetch window (4), so the late message waits in the queue; a message
+    with a free slot is delivered at once (hand-off, as RabbitMQ pushes it), and Celery checks
+    ``expires`` when it receives a task."""
     schema = recorder_tables
     start_worker(name="oneslot", app=APP, concurrency=1)
-    for i in range(4):
+    for i in range(5):
         parity.sleep.delay(f"busy{i}", 2.0)
     late = parity.record.apply_async(("late",), expires=1)
     with pytest.raises(TaskRevokedError):

@@ -166,9 +166,10 @@ def test_a_message_handed_to_a_full_window_goes_back_unstarted(
         producer.SimpleQueue(b).put({"to": "b"})
         wait_for(lambda: second.got, 10, what="C2 got the message C1 handed back")
         assert [body for body, _ in first.got] == [{"to": "a"}]
-        row = db.execute(f'SELECT claim, attempts, state FROM "{schema}".pgjobs_job '
-                         "WHERE queue = %s", [b]).fetchone()
-        assert row == (2, 1, "running"), "handed back uncounted, then claimed by C2"
+        row = db.execute(f'SELECT claim, attempts, state, run_at = created_at '
+                         f'FROM "{schema}".pgjobs_job WHERE queue = %s', [b]).fetchone()
+        assert row == (2, 1, "running", True), \
+            "handed back uncounted and in its place, then claimed by C2"
     finally:
         for d in (first, second):
             d.stop_event.set()

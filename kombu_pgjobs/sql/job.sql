@@ -251,7 +251,8 @@ WITH held AS (
            attempts = CASE WHEN %(uncount)s THEN greatest(j.attempts - 1, 0) ELSE j.attempts END,
            lease_expires_at = NULL,
            worker = NULL,
-           run_at = now(),
+           -- a message that never started keeps its place in the claim order
+           run_at = CASE WHEN %(uncount)s THEN least(j.run_at, now()) ELSE now() END,
            delayed = false
       FROM held
      WHERE j.id = held.id AND held.outcome = 'requeued'

@@ -4,15 +4,19 @@
 -- (0017_wake_one.sql).
 SELECT pg_advisory_lock(%(waiter)s::bigint);
 
--- name: waiter_forget :exec
+-- name: waiter_forget :one
 -- A consumer stops waiting on %(queues)s (NULL: on every queue) and, when it stops listening
--- altogether, frees its wake id's lock (%(release)s).
+-- altogether, frees its wake id's lock (%(release)s). Returns the queues whose registrations it
+-- deleted (a registration it had and did not delete was taken by a publish, whose wake-up is
+-- on its way).
 WITH gone AS (
     DELETE FROM {schema}.pgjobs_waiter
      WHERE waiter = %(waiter)s::bigint
        AND (%(queues)s::text[] IS NULL OR queue = ANY (%(queues)s::text[]))
+    RETURNING queue
 )
-SELECT CASE WHEN %(release)s THEN pg_advisory_unlock(%(waiter)s::bigint) END;
+SELECT coalesce((SELECT array_agg(queue) FROM gone), '{{}}'::text[]),
+       CASE WHEN %(release)s THEN pg_advisory_unlock(%(waiter)s::bigint) END;
 
 -- name: waiter_pass_on :exec
 -- A wake-up reached a consumer that no longer consumes these queues: every consumer of them
