@@ -101,6 +101,9 @@ def _freeze_holding(db: psycopg.Connection[Any], schema: str, relay: subprocess.
     while time.monotonic() < deadline:
         if _outbox(db, schema)[1] >= floor:
             relay.send_signal(signal.SIGSTOP)
+            # A statement it sent just before it stopped (marking its batch published) still
+            # completes at the server: let it, so the rows checked are the rows it holds.
+            time.sleep(0.05)
             if _held_by(db, schema, relay.pid) > 0:
                 return
             relay.send_signal(signal.SIGCONT)
