@@ -46,3 +46,57 @@ def test_the_raw_claim_claims_acks_and_registers_like_the_named_one(db: psycopg.
     assert third.drained and third.quiet is True and len(third.acked) == 2
     assert db.execute(f'SELECT queue, waiter FROM "{schema}".pgjobs_waiter').fetchall() == [
         ("q", 2**40)]
+
+
+def _generic_plan(db: psycopg.Connection[Any], core: QueueCore, acks: list[tuple[int, int]]
+                  ) -> list[str]:
+    """The claim's plan as a worker's claim connection runs it: prepared, generic."""
+    query, _ = positional(core.schema, "job_claim", 4)
+    _, params = core.claim_wire(["q"], 4, acks, None)
+    db.execute("SET plan_cache_mode = force_generic_plan")
+    db.execute(b"PREPARE pgjt_claim AS " + query)
+    try:
+        marks = ", ".join(["%s"] * len(params))
+        return [r[0] for r in psycopg.ClientCursor(db).execute(
+            f"EXPLAIN EXECUTE pgjt_claim({marks})", params).fetchall()]
+    finally:
+        db.execute("DEALLOCATE pgjt_claim")
+        db.execute("RESET plan_cache_mode")
+
+
+def test_the_claims_acks_read_their_rows_by_primary_key(db: psycopg.Connection[Any],
+                                                       schema: str):
+    """During a drain acked rows leave dead entries in the lease index until a vacuum. The
+    claim's generic plan read every running row through that index, twice (the fenced acks,
+    then their delete): with 2,400 dead entries a claim of 4 with 4 acks executed in
+    0.64-0.82 ms against 0.42-0.46 ms by primary key."""
+    migrate(db, schema)
+    core = QueueCore(schema, lease_ttl=30.0, max_attempts=5)
+    core.publish_many(db, [job_from_message("q", _message(f"m{i}")) for i in range(2000)])
+    acks: list[tuple[int, int]] = []
+    for _ in range(50):  # a drain under way: some running, many acked
+        acks = [(c.id, c.claim) for c in core.claim(db, ["q"], 4, acks).claimed]
+    db.execute(f'ANALYZE "{schema}".pgjobs_job')
+    plan = _generic_plan(db, core, acks)
+    for cte, following in (("given", "released"), ("acked", "acked_count")):
+        start = next(i for i, line in enumerate(plan) if line.strip() == f"CTE {cte}")
+        end = next(i for i, line in enumerate(plan) if line.strip() == f"CTE {following}")
+        section = "\n".join(plan[start:end])
+        assert "pgjobs_job_pkey" in section and "lease_idx" not in section, "\n".join(plan)
+
+
+def test_an_ack_of_an_earlier_claim_beside_the_current_ones_settles_only_the_current(
+        db: psycopg.Connection[Any], schema: str):
+    """The same message acked twice in one flush, under its lapsed claim and its current
+    one (it came back to this process): the current claim's ack deletes it, the other
+    misses its fence."""
+    migrate(db, schema)
+    core = QueueCore(schema, lease_ttl=30.0, max_attempts=5)
+    core.publish_many(db, [job_from_message("q", _message("m"))])
+    (first,) = core.claim(db, ["q"], 1).claimed
+    db.execute(f'UPDATE "{schema}".pgjobs_job SET state = \'ready\'')  # its lease was rescued
+    (second,) = core.claim(db, ["q"], 1).claimed
+    assert (second.id, second.claim) == (first.id, first.claim + 1)
+    result = core.claim(db, ["q"], 1, [(first.id, first.claim), (second.id, second.claim)])
+    assert result.acked == {first.id}
+    assert db.execute(f'SELECT count(*) FROM "{schema}".pgjobs_job').fetchone()[0] == 0

@@ -84,11 +84,16 @@ SELECT g.n, g.id, g.holder_id, g.holder_task_id
 -- %(hand_off)s names this consumer's worker and lease TTL: a publish claims its message for the
 -- consumer and the wake-up carries it (0018_hand_off.sql).
 WITH given AS (
-    -- The fenced acks, read once: which of them hold slots, and under which keys.
-    SELECT a.id, a.claim, j.limits -> 'concurrency' AS caps
-      FROM unnest(%(ack_ids)s::bigint[], %(ack_claims)s::int[]) AS a(id, claim)
-      JOIN {schema}.pgjobs_job AS j
-        ON j.id = a.id AND j.claim = a.claim AND j.state = 'running'
+    -- The fenced acks, read once: which of them hold slots, and under which keys. Read by
+    -- primary key only (the id array), and `state IS NOT DISTINCT FROM 'running'` (state is
+    -- NOT NULL: the same test as `=`) does not match the lease index's predicate: through that
+    -- index the claim's generic plan read every running row, dead entries included, which
+    -- pile up between vacuums during a drain (test_claim_wire.py).
+    SELECT j.id, j.claim, j.limits -> 'concurrency' AS caps
+      FROM {schema}.pgjobs_job AS j
+     WHERE j.id = ANY (%(ack_ids)s::bigint[])
+       AND (j.id, j.claim) IN (SELECT * FROM unnest(%(ack_ids)s::bigint[], %(ack_claims)s::int[]))
+       AND j.state IS NOT DISTINCT FROM 'running'
 ), released AS (
     SELECT r.id, r.claim
       FROM (SELECT array_agg(g.id) AS ids, array_agg(g.claim) AS claims,
@@ -100,12 +105,16 @@ WITH given AS (
      CROSS JOIN LATERAL {schema}.pgjobs_release_v1(x.ids, x.claims, x.keys, %(channel)s,
                                                    %(n)s = 0) AS r
 ), acked AS (
-    -- Fenced ack: only the holder of this exact claim, still running, may delete the row.
+    -- Fenced ack: only the holder of this exact claim, still running, may delete the row
+    -- (read by primary key only, as given is).
     DELETE FROM {schema}.pgjobs_job AS j
-     USING (SELECT id, claim FROM given WHERE caps IS NULL
-            UNION ALL
-            SELECT id, claim FROM released) AS a(id, claim)
-     WHERE j.id = a.id AND j.claim = a.claim AND j.state = 'running'
+     WHERE j.id = ANY (ARRAY(SELECT id FROM given WHERE caps IS NULL
+                             UNION ALL
+                             SELECT id FROM released))
+       AND (j.id, j.claim) IN (SELECT id, claim FROM given WHERE caps IS NULL
+                               UNION ALL
+                               SELECT id, claim FROM released)
+       AND j.state IS NOT DISTINCT FROM 'running'
     RETURNING j.id, j.queue
 ), acked_count AS (
     -- The settle counter moves in the statement that settles (one shard per process).
