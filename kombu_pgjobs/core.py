@@ -419,8 +419,10 @@ class QueueCore:
         return _publish_variant(self.schema, name, durable, own_transaction)
 
     def _insert(self, conn: psycopg.Connection, name: str) -> sql.Composed:
-        return self.insert_query(name, durable=conn not in _ASYNC_COMMIT,
-                                 own_transaction=getattr(conn, "autocommit", False))
+        # Its own transaction: an autocommit connection with no transaction block open.
+        own = bool(getattr(conn, "autocommit", False)) and \
+            conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+        return self.insert_query(name, durable=conn not in _ASYNC_COMMIT, own_transaction=own)
 
     def publish(self, conn: psycopg.Connection, job: NewJob) -> PublishOutcome | None:
         """Insert one message (one round trip). Durable when ``conn`` commits (unless

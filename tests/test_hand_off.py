@@ -18,6 +18,7 @@ import psycopg
 import pytest
 
 from kombu_pgjobs import outbox
+from kombu_pgjobs.core import QueueCore, job_from_message
 from kombu_pgjobs.waiting import handed_row
 
 from .conftest import broker_url, wait_for
@@ -253,3 +254,23 @@ def test_a_reconnected_consumer_drops_the_registrations_of_its_half_dead_session
             consumer.join(10)
             producer.release()
     assert consumer.error is None
+
+
+@pytest.mark.parametrize("block", [False, True])
+def test_a_publish_hands_off_only_as_its_own_transaction(
+        block: bool, url: str, dsn: str, schema: str, db: psycopg.Connection[Any]) -> None:
+    """On an autocommit connection a publish is its own transaction, unless a transaction
+    block is open on it (psycopg's ``transaction()``): then it only wakes."""
+    _producer(url, schema).release()  # the schema and the queue
+    core = QueueCore(schema, lease_ttl=30.0, max_attempts=5)
+    job = job_from_message(QUEUE, {"body": "b", "headers": {}, "properties": {},
+                                   "content-type": "application/json",
+                                   "content-encoding": "utf-8"})
+    with _waiter(dsn, schema) as (conn, _), psycopg.connect(dsn, autocommit=True) as app:
+        if block:
+            with app.transaction():
+                core.publish(app, job)
+        else:
+            core.publish(app, job)
+        (note,) = list(conn.notifies(timeout=5, stop_after=1))
+    assert (handed_row(note.payload) is None) == block
