@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import report
-from bench.brokers import BrokerUnavailable, prepare, registry
+from bench.brokers import BrokerUnavailable, option_value, prepare, registry
 from bench.measure import BrokerRun, Config, PhaseFailed
 from bench.worker import stop_all
 
@@ -37,11 +37,7 @@ def _parse_opt(text: str) -> tuple[str, str, Any]:
     broker, dot, key = target.partition(".")
     if not (sep and dot and broker and key):
         raise argparse.ArgumentTypeError(f"expected BROKER.KEY=VALUE, got {text!r}")
-    try:
-        value = json.loads(raw)
-    except json.JSONDecodeError:
-        value = raw
-    return broker, key, value
+    return broker, key, option_value(raw)
 
 
 def _parse_helper(text: str) -> tuple[str, str]:

@@ -7,6 +7,7 @@ be attributed to one broker, and so their tables never meet.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 from collections.abc import Callable
@@ -96,6 +97,14 @@ def install_pgmq_sql(broker: Broker) -> None:
 
 def _url(name: str, default: str) -> str:
     return os.environ.get(f"BENCH_{name.upper()}_URL", default)
+
+
+def option_value(raw: str) -> Any:
+    """A transport option's value given on the command line: JSON when it parses, else text."""
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        return raw
 
 
 def registry() -> dict[str, Broker]:

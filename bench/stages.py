@@ -45,7 +45,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.brokers import Broker, prepare, registry
+from bench.brokers import Broker, option_value, prepare, registry
 from bench.measure import REPO_ROOT, BrokerRun, Config
 from bench.worker import Worker
 
@@ -95,10 +95,7 @@ def variant(spec: str) -> Broker:
     options = dict(broker.transport_options)
     for pair in pairs:
         key, _, text = pair.partition("=")
-        try:
-            options[key] = json.loads(text)
-        except ValueError:
-            options[key] = text
+        options[key] = option_value(text)
     return dataclasses.replace(broker, name=spec, transport_options=options)
 
 

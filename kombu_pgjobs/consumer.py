@@ -490,14 +490,7 @@ class ConsumerLoop:
         if acks:
             backend.settled(acks, hit, "ack")
         if result.claimed:
-            held = []
-            for r in result.claimed:
-                if no_ack or r.queue in channel._no_ack_queues:
-                    backend.buffer_ack(r.id, r.claim)  # settled once delivered
-                else:
-                    held.append((r.id, r.claim))
-            if held:
-                backend.hold(held)
+            self._take(channel, result.claimed, no_ack=no_ack)
         if any(h.verdict != "busy" for h in result.held_back):
             # A limit parked, deferred or refused candidates: they left the claim's index, so
             # the next claim reaches the rows behind them. Claim again now.
@@ -560,6 +553,18 @@ class ConsumerLoop:
                 return True
         return False
 
+    def _take(self, channel: Channel, rows: list[Claimed], *, no_ack: bool = False) -> None:
+        """Rows claimed for ``channel``: held (their leases renewed until settled), or, on a
+        queue consumed without acks, settled once delivered."""
+        held = []
+        for r in rows:
+            if no_ack or r.queue in channel._no_ack_queues:
+                self.backend.buffer_ack(r.id, r.claim)
+            else:
+                held.append((r.id, r.claim))
+        if held:
+            self.backend.hold(held)
+
     def _hand_back(self, rows: list[Claimed]) -> None:
         if rows:
             self.backend.settle([(r.id, r.claim) for r in rows], requeue=True, uncount=True)
@@ -582,10 +587,7 @@ class ConsumerLoop:
                 if channel is None or not channel.qos.can_consume():
                     back.append(row)
                     continue
-                if row.queue in channel._no_ack_queues:
-                    self.backend.buffer_ack(row.id, row.claim)
-                else:
-                    self.backend.hold([(row.id, row.claim)])
+                self._take(channel, [row])
                 delivered += self.deliver([row])
         finally:  # a consumer's callback raised: the rows not delivered go back too
             self._hand_back(back + rows)

@@ -22,16 +22,10 @@ from kombu_pgjobs.core import QueueCore, job_from_message
 from kombu_pgjobs.waiting import handed_row
 
 from .conftest import broker_url, wait_for
-from .test_wake_one import Drainer, _waiters
+from .test_wake_one import Drainer, _producer, _waiters
 from .wirecount import WireCounter
 
 QUEUE = "ho"
-
-
-def _producer(url: str, schema: str, **options: Any) -> kombu.Connection:
-    conn = kombu.Connection(url, transport_options={"schema": schema, **options})
-    kombu.Queue(QUEUE, channel=conn.default_channel).declare()
-    return conn
 
 
 @contextmanager
@@ -56,7 +50,7 @@ def _row(db: psycopg.Connection[Any], schema: str) -> tuple[Any, ...]:
 
 def test_a_publish_hands_its_message_to_the_consumer_it_wakes(
         url: str, dsn: str, schema: str, db: psycopg.Connection[Any]) -> None:
-    producer = _producer(url, schema)
+    producer = _producer(url, schema, QUEUE)
     try:
         with _waiter(dsn, schema) as (conn, _):
             producer.SimpleQueue(QUEUE).put({"n": 1})
@@ -80,7 +74,7 @@ def test_messages_a_claim_would_not_take_at_once_only_wake_the_consumer(
     """Not due, under a limit, on a paused queue, too large for a payload, or a consumer that
     wants wake-ups only: the wake-up names the queue and the row stays ready for the
     consumer's claim."""
-    producer = _producer(url, schema)
+    producer = _producer(url, schema, QUEUE)
     try:
         if case == "paused":
             db.execute(f'UPDATE "{schema}".pgjobs_queue SET paused = true WHERE name = %s',
@@ -121,7 +115,7 @@ def test_a_consumer_takes_a_handed_message_without_claiming_and_acks_it(
         message.ack()
 
     consumer._on = on
-    producer = _producer(url, schema)
+    producer = _producer(url, schema, QUEUE)
     try:
         consumer.start()
         wait_for(lambda: _waiters(db, schema, QUEUE) == 1, 10, what="registered")
@@ -187,7 +181,7 @@ def test_a_publish_that_hands_off_commits_durably_even_when_asynchronous(
     hands a message off is flushed at its commit (synchronous_commit=local); one that only
     inserts stays asynchronous. One transaction set as a publish of durable_publish=False
     sets its own (pgjobs.hand_off: the statement is its whole transaction)."""
-    _producer(url, schema).release()  # the schema and the queue
+    _producer(url, schema, QUEUE).release()  # the schema and the queue
     with _waiter(dsn, schema, lease_ttl=30.0 if waiting else None) as (conn, _):
         with psycopg.connect(dsn, autocommit=True) as app:
             cur = app.execute(
@@ -208,7 +202,7 @@ def test_a_publish_inside_a_longer_transaction_only_wakes(
         url: str, dsn: str, schema: str, db: psycopg.Connection[Any]) -> None:
     """An outbox publish in the app's transaction: the lease would start at the transaction's
     start and the commit may come any time later, so the consumer is only woken."""
-    producer = _producer(url, schema)
+    producer = _producer(url, schema, QUEUE)
     try:
         with _waiter(dsn, schema) as (conn, _):
             with psycopg.connect(dsn) as app, app.transaction():
@@ -233,7 +227,7 @@ def test_a_reconnected_consumer_drops_the_registrations_of_its_half_dead_session
         url = (f"pgjobs://{info.get('user', 'postgres')}@127.0.0.1:{proxy.port}/"
                f"{info.get('dbname', 'test')}")
         consumer = Drainer(url, schema, [QUEUE], "pgjt-hand-cut", lease_ttl=60.0)
-        producer = _producer(broker_url(), schema)
+        producer = _producer(broker_url(), schema, QUEUE)
         try:
             consumer.start()
             wait_for(lambda: _waiters(db, schema, QUEUE) == 1, 10, what="registered")
@@ -261,7 +255,7 @@ def test_a_publish_hands_off_only_as_its_own_transaction(
         block: bool, url: str, dsn: str, schema: str, db: psycopg.Connection[Any]) -> None:
     """On an autocommit connection a publish is its own transaction, unless a transaction
     block is open on it (psycopg's ``transaction()``): then it only wakes."""
-    _producer(url, schema).release()  # the schema and the queue
+    _producer(url, schema, QUEUE).release()  # the schema and the queue
     core = QueueCore(schema, lease_ttl=30.0, max_attempts=5)
     job = job_from_message(QUEUE, {"body": "b", "headers": {}, "properties": {},
                                    "content-type": "application/json",

@@ -88,9 +88,9 @@ def _drainers(url: str, schema: str, n: int, queues: list[str] | None = None
     assert all(d.error is None for d in started), [d.error for d in started]
 
 
-def _producer(url: str, schema: str) -> kombu.Connection:
+def _producer(url: str, schema: str, queue: str = QUEUE) -> kombu.Connection:
     conn = kombu.Connection(url, transport_options={"schema": schema})
-    kombu.Queue(QUEUE, channel=conn.default_channel).declare()
+    kombu.Queue(queue, channel=conn.default_channel).declare()
     return conn
 
 

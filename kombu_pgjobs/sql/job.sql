@@ -104,16 +104,17 @@ WITH given AS (
             HAVING count(*) > 0) AS x
      CROSS JOIN LATERAL {schema}.pgjobs_release_v1(x.ids, x.claims, x.keys, %(channel)s,
                                                    %(n)s = 0) AS r
+), settling AS (
+    -- The acks to delete now: those holding no slots, and those whose slots were released.
+    SELECT id, claim FROM given WHERE caps IS NULL
+    UNION ALL
+    SELECT id, claim FROM released
 ), acked AS (
     -- Fenced ack: only the holder of this exact claim, still running, may delete the row
     -- (read by primary key only, as given is).
     DELETE FROM {schema}.pgjobs_job AS j
-     WHERE j.id = ANY (ARRAY(SELECT id FROM given WHERE caps IS NULL
-                             UNION ALL
-                             SELECT id FROM released))
-       AND (j.id, j.claim) IN (SELECT id, claim FROM given WHERE caps IS NULL
-                               UNION ALL
-                               SELECT id, claim FROM released)
+     WHERE j.id = ANY (ARRAY(SELECT id FROM settling))
+       AND (j.id, j.claim) IN (SELECT id, claim FROM settling)
        AND j.state IS NOT DISTINCT FROM 'running'
     RETURNING j.id, j.queue
 ), acked_count AS (
