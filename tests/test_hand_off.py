@@ -7,8 +7,13 @@ read exactly what the trigger sends) or by real kombu consumers.
 
 from __future__ import annotations
 
+import os
 import random
+import signal
+import subprocess
+import sys
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -268,3 +273,60 @@ def test_a_publish_hands_off_only_as_its_own_transaction(
             core.publish(app, job)
         (note,) = list(conn.notifies(timeout=5, stop_after=1))
     assert (handed_row(note.payload) is None) == block
+
+
+_HOLDER = """
+import sys, time, kombu
+url, schema = sys.argv[1], sys.argv[2]
+conn = kombu.Connection(url, transport_options={"schema": schema, "lease_ttl": 2.0,
+                                                "idle_poll_interval": 3600.0,
+                                                "application_name": "pgjt-hand-killed"})
+ch = conn.channel()
+kombu.Consumer(ch, queues=[kombu.Queue("ho", channel=ch)],
+               callbacks=[lambda b, m: time.sleep(3600)]).consume()  # runs it, never acks
+while True:
+    try:
+        conn.drain_events(timeout=1)
+    except TimeoutError:
+        pass
+"""
+
+
+@pytest.mark.exclusive  # timing bound: back within the lease, a keeper tick and a claim
+def test_a_handed_message_of_a_killed_worker_comes_back_within_its_lease(
+        url: str, schema: str, db: psycopg.Connection[Any]) -> None:
+    """A real process is handed a message (claimed in the publish) and SIGKILLed while it
+    runs it: the message comes back when the lease lapses and another consumer completes
+    it, once; the dead holder's claim number is fenced off."""
+    producer = _producer(url, schema, QUEUE)
+    doomed = subprocess.Popen([sys.executable, "-c", _HOLDER, url, schema],
+                              env={**os.environ, "PYTHONPATH": os.getcwd()})
+    try:
+        wait_for(lambda: _waiters(db, schema, QUEUE) == 1, 20, what="the holder registered")
+        producer.SimpleQueue(QUEUE).put({"n": 1})
+        wait_for(lambda: _row(db, schema)[1] == "running", 10, what="the hand-off")
+        job_id, _, claim, attempts, worker, lease = _row(db, schema)
+        assert (claim, attempts, lease, worker.endswith(f":{doomed.pid}")) == (1, 1, 2.0, True)
+        os.kill(doomed.pid, signal.SIGKILL)
+        doomed.wait(10)
+        killed_at = time.monotonic()
+        live = Drainer(url, schema, [QUEUE], "pgjt-hand-live", lease_ttl=2.0)
+        live._on = lambda body, message: (live.got.append((body, message.delivery_tag)),
+                                          message.ack())
+        live.start()
+        try:
+            wait_for(lambda: live.got, 15, interval=0.05, what="the message, back")
+            # the lease (2 s), two of the live keeper's ticks (lease/3 each), 2 s of slack
+            assert time.monotonic() - killed_at < 2.0 + 2 * 2.0 / 3 + 2.0, "within its lease"
+            wait_for(lambda: _row(db, schema) is None, 10, what="the ack")
+        finally:
+            live.stop_event.set()
+            live.join(10)
+        assert live.error is None
+        assert live.got == [({"n": 1}, f"{job_id}.2")], "once, under the next claim number"
+        dead = db.execute(f'SELECT count(*) FROM "{schema}".pgjobs_dead_letter').fetchone()[0]
+        assert dead == 0
+    finally:
+        if doomed.poll() is None:
+            doomed.kill()
+        producer.release()
