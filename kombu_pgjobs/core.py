@@ -37,7 +37,7 @@ from .events import log_event
 from .limits import LIMITS_HEADER, check_cap, check_key
 from .limits import normalise as normalise_limits
 from .options import validate_queue_name, validate_schema_name
-from .sql import positional, queries, raw_queries, with_limit
+from .sql import positional, queries, raw_queries, text_params, with_limit
 
 __all__ = [
     "IDEMPOTENCY_HEADER",
@@ -582,10 +582,12 @@ class QueueCore:
     def claim_wire(self, queues: Sequence[str], n: int, acks: Sequence[Pair] = (),
                    wait: WaitPlan | None = None) -> tuple[bytes, list[Any]]:
         """:meth:`claim_statement` as it is sent: numbered placeholders and their values in
-        order, for a raw cursor (see :func:`kombu_pgjobs.sql.positional`)."""
+        order, for a raw cursor (see :func:`kombu_pgjobs.sql.positional`), as text of unknown
+        type (:func:`kombu_pgjobs.sql.text_params`): one prepared statement per window size,
+        whatever the acks' ids or the wake id."""
         _, params = self.claim_statement(queues, n, acks, wait)
         query, keys = positional(self.schema, "job_claim", n)
-        return query, [params[k] for k in keys]
+        return query, text_params([params[k] for k in keys])
 
     def hold_waiter(self, conn: psycopg.Connection, waiter: int) -> None:
         """Take wake id ``waiter``'s lock for the life of ``conn`` (its registrations are

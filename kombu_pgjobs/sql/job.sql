@@ -171,7 +171,10 @@ WITH given AS (
       FROM candidates AS c
      ORDER BY c.priority DESC, c.run_at, c.id
 ), claimed AS (
-    -- Take the lease: bump the fence, count the attempt, name the holder.
+    -- Take the lease: bump the fence, count the attempt, name the holder. The rows are read
+    -- by primary key from an array: joined to admitted, a generic plan made while the
+    -- table's statistics said it was empty (a VACUUM of the empty table sets them so) read
+    -- the whole table per claim, through a nested loop.
     UPDATE {schema}.pgjobs_job AS j
        SET state = 'running',
            delayed = false,
@@ -179,8 +182,8 @@ WITH given AS (
            attempts = j.attempts + 1,
            lease_expires_at = now() + make_interval(secs => %(ttl)s),
            worker = %(worker)s
-      FROM admitted AS a
-     WHERE j.id = a.id AND (a.v IS NULL OR (a.v).verdict = 'ok')
+     WHERE j.id = ANY (ARRAY(SELECT a.id FROM admitted AS a
+                              WHERE a.v IS NULL OR (a.v).verdict = 'ok'))
     RETURNING j.id, j.claim, j.queue, j.priority, j.run_at, j.message
 ), drained AS (
     -- Fewer claimed than asked and nothing held back: these queues are empty for now.
