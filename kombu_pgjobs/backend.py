@@ -43,7 +43,8 @@ from .schema import current_version as schema_version
 from .schema import latest_version, migrate
 from .unconfirmed import Unconfirmed
 
-__all__ = ["Backend", "add_settle_listener", "backend_for", "release_all", "settle_listeners"]
+__all__ = ["CLAIM_SESSION", "Backend", "add_settle_listener", "backend_for", "release_all",
+           "settle_listeners"]
 
 #: how far claim numbers move up on a new WAL timeline: more claims of one message than a
 #: failover can lose (claim numbers are 32-bit: about 2,000 failovers of room)
@@ -115,6 +116,17 @@ def _forget_after_fork() -> None:
 os.register_at_fork(after_in_child=_forget_after_fork)
 
 
+
+#: The claim connection's session settings. Its prepared statements always use their generic
+#: plan: left to choose, the planner kept re-planning the claim (a custom plan every time:
+#: half of Postgres's CPU in a worker). A generic plan is kept until the table's statistics
+#: change (a VACUUM, an ANALYZE), and one made while the table was small read it whole: a
+#: worker that started on an empty queue kept sequential scans of the job table (the claim
+#: index, the lease's rows) while a burst of a million rows arrived. With sequential scans
+#: off, every plan of the claim reads the job table through an index, at any size.
+CLAIM_SESSION = ("SET plan_cache_mode = force_generic_plan", "SET enable_seqscan = off")
+
+
 class Backend:
     def __init__(self, conninfo: str, options: TransportOptions) -> None:
         self.pid = os.getpid()
@@ -156,14 +168,13 @@ class Backend:
     # -- connections ---------------------------------------------------------------------
     def connect(self, *, hot: bool = False) -> psycopg.Connection[Any]:
         """A new connection, the schema checked. ``hot``: for the claim connection, whose
-        claim statement runs thousands of times: its prepared statements always use their
-        generic plan. Left to choose, the planner kept re-planning the claim
-        (a custom plan every time: half of Postgres's CPU in a worker)."""
+        claim statement runs thousands of times (see :data:`CLAIM_SESSION`)."""
         # Poll-only mode is for PgBouncer in transaction pooling: no prepared statements there.
         prepare = self.options.use_listen_notify
         conn = connect(self.conninfo, prepare=prepare)
         if hot and prepare:
-            conn.execute("SET plan_cache_mode = force_generic_plan", prepare=False)
+            for setting in CLAIM_SESSION:
+                conn.execute(setting, prepare=False)
         self.ensure_schema(conn)
         if self.options.failover_fence:
             self.fence_epoch(conn)

@@ -158,3 +158,37 @@ def test_the_claim_takes_its_rows_by_primary_key_when_the_statistics_say_empty(
     end = next(i for i, line in enumerate(plan) if line.strip() == "CTE drained")
     section = "\n".join(plan[start:end])
     assert "Index Cond: (id = ANY" in section and "Join Filter" not in section, "\n".join(plan)
+
+
+def test_a_claim_prepared_on_an_empty_table_reads_the_grown_table_through_indexes(
+        url: str, db: psycopg.Connection[Any], schema: str):
+    """A generic plan is kept until the table's statistics change. A worker that started on
+    an empty queue prepared its claim with sequential scans of the job table (the cheapest
+    read of a table of no pages), and kept them when a burst arrived: 68 ms a claim with
+    200,000 rows queued, against 0.73 ms through the indexes (sequential scans off on the
+    claim connection)."""
+    import kombu
+
+    with kombu.Connection(url, transport_options={"schema": schema}) as kconn:
+        backend = kconn.transport.backend
+        conn = backend.connect(hot=True)  # the claim connection, schema installed
+        try:
+            core = backend.core
+            query, _ = positional(schema, "job_claim", 4)
+            _, params = core.claim_wire(["q"], 4, [], None)
+            conn.execute(b"PREPARE pgjt_claim AS " + query)
+            explain = f"EXPLAIN EXECUTE pgjt_claim({', '.join(['%s'] * len(params))})"
+            psycopg.ClientCursor(conn).execute(explain, params)  # planned: the table is empty
+            for _ in range(3):
+                core.publish_many(db, [job_from_message("q", _message("m"))] * 1000)
+            delayed = {**_message("d"), "headers": {"task": "t", "id": "d",
+                                                    "eta": "2999-01-01T00:00:00+00:00"}}
+            core.publish_many(db, [job_from_message("q", delayed)] * 1000)
+            plan = "\n".join(r[0] for r in psycopg.ClientCursor(conn).execute(
+                explain, params).fetchall())
+        finally:
+            conn.close()
+    assert "Seq Scan on pgjobs_job" not in plan, plan
+    assert "pgjobs_job_ready_idx" in plan, plan
+    # the delayed rows through their own index, never a whole scan of the task-id index
+    assert "task_id_idx" not in plan, plan

@@ -1,7 +1,7 @@
 -- name: revoke_delete :many
 -- Celery's revoke broadcast (and `pgjobs cancel --task-id`): delete the delayed rows of these
--- Celery task ids (the `id` header), through pgjobs_job_task_id_idx (version 11), counted
--- 'revoked'; with %(keep)s, the ids are kept in pgjobs_revoked that long (version 16).
+-- Celery task ids (the `id` header), through pgjobs_job_delayed_task_id_idx (version 19),
+-- counted 'revoked'; with %(keep)s, the ids are kept in pgjobs_revoked that long (version 16).
 -- Returns (id, queue).
 WITH gone AS (
     DELETE FROM {schema}.pgjobs_job AS j
@@ -36,8 +36,8 @@ SELECT task_id, extract(epoch FROM expires_at - now())::float8 AS left_seconds
 
 -- name: revoke_find :many
 -- `pgjobs cancel --task-id`: the live rows of these Celery task ids. Delayed rows through
--- pgjobs_job_task_id_idx; the others (due, running, waiting: few, and claimed soon) by a scan
--- of the rows that are not delayed. Returns (id, task_id).
+-- pgjobs_job_delayed_task_id_idx; the others (due, running, waiting: few, and claimed soon) by
+-- a scan of the rows that are not delayed. Returns (id, task_id).
 SELECT j.id, j.message -> 'headers' ->> 'id'
   FROM {schema}.pgjobs_job AS j
  WHERE (j.message -> 'headers' ->> 'id') = ANY(%(task_ids)s::text[])
