@@ -559,7 +559,7 @@ class Admin:
 
     def cancel(self, ids: Sequence[Any], *, task_ids: Sequence[str] = ()) -> dict[str, Any]:
         """Cancel messages by id and/or by Celery task id (``--task-id``: a delayed message
-        is found through ``pgjobs_job_task_id_idx``; see :mod:`kombu_pgjobs.revoke`)."""
+        is found through ``pgjobs_job_delayed_task_id_idx``; see :mod:`kombu_pgjobs.revoke`)."""
         wanted = _ids(ids) if ids else []
         if task_ids:
             found_ids = self.conn.execute(self.q["revoke_find"], {

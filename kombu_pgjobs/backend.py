@@ -123,7 +123,8 @@ os.register_at_fork(after_in_child=_forget_after_fork)
 #: change (a VACUUM, an ANALYZE), and one made while the table was small read it whole: a
 #: worker that started on an empty queue kept sequential scans of the job table (the claim
 #: index, the lease's rows) while a burst of a million rows arrived. With sequential scans
-#: off, every plan of the claim reads the job table through an index, at any size.
+#: off, the claim reads the job table through its indexes at any size (what it reads must
+#: also be named by index conditions, not joins: see sql/job.sql and schema 20).
 CLAIM_SESSION = ("SET plan_cache_mode = force_generic_plan", "SET enable_seqscan = off")
 
 

@@ -192,3 +192,39 @@ def test_a_claim_prepared_on_an_empty_table_reads_the_grown_table_through_indexe
     assert "pgjobs_job_ready_idx" in plan, plan
     # the delayed rows through their own index, never a whole scan of the task-id index
     assert "task_id_idx" not in plan, plan
+
+
+def test_parking_a_full_keys_flood_reads_it_by_primary_key_when_the_statistics_say_empty(
+        db: psycopg.Connection[Any], schema: str):
+    """A claim that finds a concurrency key full parks the rest of the key's rows
+    (pgjobs_admit_v2). Planned on 'empty' statistics, that UPDATE joined the whole job table
+    to its locking subquery, run again per row: 7.9 s for one claim with 2,000 rows of the
+    key queued (schema 20: 54 ms). Counted in shared buffers, not time: EXPLAIN's buffers
+    include the statements the claim's function runs."""
+    from kombu_pgjobs.backend import CLAIM_SESSION
+
+    migrate(db, schema)
+    core = QueueCore(schema, lease_ttl=30.0, max_attempts=5)
+    core.publish_many(db, [job_from_message("q", _message("m"))])
+    core.claim(db, ["q"], 1, [(c.id, c.claim) for c in core.claim(db, ["q"], 1).claimed])
+    db.execute(f'VACUUM "{schema}".pgjobs_job')  # empty: reltuples 0, pages kept
+    limited = {**_message("l"), "headers": {
+        "task": "t", "x-pgjobs-limits": json.dumps({"concurrency": [{"key": "k", "limit": 2}]})}}
+    core.publish_many(db, [job_from_message("lq", limited)] * 2000)
+    query, _ = positional(schema, "job_claim", 4)
+    _, params = core.claim_wire(["lq"], 4, [], None)
+    for setting in CLAIM_SESSION:
+        db.execute(setting)
+    db.execute(b"PREPARE pgjt_claim AS " + query)
+    try:
+        with db.transaction(force_rollback=True):
+            plan = psycopg.ClientCursor(db).execute(
+                f"EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) EXECUTE pgjt_claim("
+                f"{', '.join(['%s'] * len(params))})", params).fetchone()[0][0]["Plan"]
+    finally:
+        db.execute("DEALLOCATE pgjt_claim")
+        db.execute("RESET ALL")
+    assert db.execute(f'SELECT count(*) FROM "{schema}".pgjobs_job WHERE state = %s',
+                      ["waiting"]).fetchone()[0] == 0, "rolled back"
+    touched = int(plan["Shared Hit Blocks"]) + int(plan["Shared Read Blocks"])
+    assert touched < 200_000, touched  # 49,000 here; 15.2 million before schema 20
