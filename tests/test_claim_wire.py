@@ -139,6 +139,14 @@ def test_queue_names_with_quotes_backslashes_and_commas_reach_the_claim(db: psyc
     assert sorted(json.loads(c.message)["body"] for c in claimed) == sorted(names)
 
 
+def _statistics_say_empty(db: psycopg.Connection[Any], core: QueueCore) -> None:
+    """As the keeper leaves a drained table: a message published, claimed and acked, then a
+    VACUUM of the empty table (reltuples 0, its pages kept)."""
+    core.publish_many(db, [job_from_message("q", _message("m"))])
+    core.claim(db, ["q"], 1, [(c.id, c.claim) for c in core.claim(db, ["q"], 1).claimed])
+    db.execute(f'VACUUM "{core.schema}".pgjobs_job')
+
+
 def test_the_claim_takes_its_rows_by_primary_key_when_the_statistics_say_empty(
         db: psycopg.Connection[Any], schema: str):
     """A keeper's VACUUM of the drained table records it as empty; a claim connection that
@@ -148,9 +156,7 @@ def test_the_claim_takes_its_rows_by_primary_key_when_the_statistics_say_empty(
     drain of 2,000 tasks at 0.53-0.78x RabbitMQ's against 0.91-1.39x."""
     migrate(db, schema)
     core = QueueCore(schema, lease_ttl=30.0, max_attempts=5)
-    core.publish_many(db, [job_from_message("q", _message("m"))])
-    core.claim(db, ["q"], 1, [(c.id, c.claim) for c in core.claim(db, ["q"], 1).claimed])
-    db.execute(f'VACUUM "{schema}".pgjobs_job')  # empty: reltuples 0, pages kept
+    _statistics_say_empty(db, core)
     core.publish_many(db, [job_from_message("q", _message(f"m{i}")) for i in range(400)])
     acks = [(c.id, c.claim) for c in core.claim(db, ["q"], 4).claimed]
     plan = _generic_plan(db, core, acks)
@@ -205,9 +211,7 @@ def test_parking_a_full_keys_flood_reads_it_by_primary_key_when_the_statistics_s
 
     migrate(db, schema)
     core = QueueCore(schema, lease_ttl=30.0, max_attempts=5)
-    core.publish_many(db, [job_from_message("q", _message("m"))])
-    core.claim(db, ["q"], 1, [(c.id, c.claim) for c in core.claim(db, ["q"], 1).claimed])
-    db.execute(f'VACUUM "{schema}".pgjobs_job')  # empty: reltuples 0, pages kept
+    _statistics_say_empty(db, core)
     limited = {**_message("l"), "headers": {
         "task": "t", "x-pgjobs-limits": json.dumps({"concurrency": [{"key": "k", "limit": 2}]})}}
     core.publish_many(db, [job_from_message("lq", limited)] * 2000)
