@@ -55,7 +55,7 @@ from .errors import DatabaseTimeout, DatabaseUnavailable, PgJobsError
 from .events import log_event, one_line
 from .green import pipe_read, pipe_write, wait_readable
 from .inflight import SUPPORTED, InFlight
-from .waiting import Ticket, Waits, handed_row
+from .waiting import HAND_OFF, Handed, Ticket, Waits, handed_ids
 
 if TYPE_CHECKING:
     from .backend import Backend
@@ -117,9 +117,10 @@ class ConsumerLoop:
         self.conn: psycopg.Connection[Any] | None = None
         self.listening = False
         self.waits = Waits()  # the queues this connection is registered as waiting on
-        # Messages publishes claimed for this consumer (hand-offs read from its wake channel),
-        # delivered by the next pump: see _deliver_handed.
-        self.handed: list[Claimed] = []
+        # Messages publishes claimed for this consumer, as wake-ups on its channel named them
+        # (never trusted: taken by a fenced statement, then delivered by the next pump; see
+        # _deliver_handed).
+        self.handed: list[Handed] = []
         # The wake id of a claim connection dropped while it listened: its session may live
         # on at the server (a network cut it has not noticed), its registrations with it.
         self._dropped_waiter: int | None = None
@@ -320,14 +321,24 @@ class ConsumerLoop:
         """A NOTIFY for ``queue``. One read by psycopg together with a statement's result
         (the release in an ack wakes a parked message and notifies this very session) leaves
         the socket unreadable: :meth:`pump` claims again at once instead of waiting for it.
-        On this consumer's own channel the payload may be a hand-off: a message claimed for
-        this consumer, queued for the next pump to deliver."""
-        row = handed_row(queue)
-        if row is not None:  # (on any wake channel of this loop: the row is ours either way)
+        On this consumer's own channel the payload may be a hand-off: the ids of a message
+        claimed for this consumer, queued for the next pump to take and deliver.
+
+        Any role that can connect may NOTIFY any channel, so nothing here is trusted: a
+        wake-up makes the consumer claim (a queue it does not consume is ignored), and a
+        hand-off is delivered only if the fenced take reads it back (_deliver_handed)."""
+        row: Handed | None = None
+        if queue.startswith(HAND_OFF):
+            waiter = self.waits.waiter
+            if (waiter is None or channel != self.waits.channel
+                    or not self.backend.core.hand_off):
+                return  # no registration of ours asked for a message: not a real hand-off
+            row = handed_ids(queue, waiter)
+            if row is None:
+                return  # in no format a publish sends (an older one carried the message)
             queue = row.queue
             self.handed.append(row)
-            if channel == self.waits.channel:
-                self.waits.handed(queue)
+            self.waits.handed(queue)
         elif self.waits.waiter is not None and channel == self.waits.channel:
             self.waits.woken(queue, self.consumed())
         if self.owns is not None and not self.owns(queue):
@@ -569,15 +580,35 @@ class ConsumerLoop:
         if rows:
             self.backend.settle([(r.id, r.claim) for r in rows], requeue=True, uncount=True)
 
-    def _deliver_handed(self) -> int:
-        """Deliver the messages publishes handed to this consumer (``0018_hand_off.sql``),
-        each as a claim's row: held (its lease renewed) unless its queue is consumed without
-        acks. One that no open channel consumes, or whose channel's prefetch window is full,
-        goes back unstarted (no attempt counted; the requeue wakes the queue's consumers)."""
-        if not self.handed:
-            return 0
+    def _take_handed(self) -> list[Claimed]:
+        """Take what wake-ups said publishes handed to this consumer: one statement, fenced
+        on each row's claim, this worker and the wake id it was handed to (a forged or
+        replayed wake-up reads nothing). A failure keeps them for the next try (the fence is
+        on the wake id they were handed to, so another connection of this loop may take
+        them); meanwhile their leases are not renewed, and lapse if the outage lasts."""
         with self.lock:
-            rows, self.handed = self.handed, []
+            pending, self.handed = self.handed, []
+            if not pending:
+                return []
+            try:
+                return self.backend.core.take_handed(
+                    self.claim_conn(), [(h.waiter, h.id, h.claim) for h in pending])
+            except (psycopg.Error, DatabaseUnavailable, DatabaseTimeout) as exc:
+                self.handed = pending + self.handed
+                self._broken(exc, "take")
+                return []
+
+    def _deliver_handed(self) -> int:
+        """Deliver the messages publishes handed to this consumer (``0018_hand_off.sql``,
+        ``0021_trust_boundary.sql``), each as a claim's row once taken: held (its lease
+        renewed) unless its queue is consumed without acks. One that no open channel
+        consumes, or whose channel's prefetch window is full, goes back unstarted (no attempt
+        counted; the requeue wakes the queue's consumers)."""
+        if not self.handed or not self._may_claim():
+            return 0
+        rows = self._take_handed()
+        if not rows:
+            return 0
         back: list[Claimed] = []
         delivered = 0
         try:
@@ -595,9 +626,21 @@ class ConsumerLoop:
 
     def _return_handed(self) -> None:
         """Hand back what was handed to this consumer and not delivered (it stops consuming
-        or closes). A failure here is logged by the settle; the leases then lapse."""
+        or closes): taken first (only what the fenced take reads back is ours to requeue).
+        A failure here is logged by the settle; the leases then lapse."""
         with self.lock:
-            rows, self.handed = self.handed, []
+            if not self.handed:
+                return
+            pending, self.handed = self.handed, []
+            conn = self.conn
+            if conn is None or conn.closed:
+                return  # the leases lapse
+            try:
+                rows = self.backend.core.take_handed(
+                    conn, [(h.waiter, h.id, h.claim) for h in pending])
+            except (psycopg.Error, DatabaseUnavailable, DatabaseTimeout) as exc:
+                log_event("pgjobs.consumer.broken", action="return", error=one_line(exc))
+                return
         self._hand_back(rows)
 
     def _channel_of(self, queue: str) -> Channel | None:

@@ -605,6 +605,21 @@ class QueueCore:
             "release": queues is None if release is None else release}).fetchone()
         return list(row[0]) if row else []
 
+    def take_handed(self, conn: psycopg.Connection,
+                    handed: Sequence[tuple[int, int, int]]) -> list[Claimed]:
+        """Read the messages publishes handed to this consumer: ``handed`` holds (wake id,
+        id, claim) as wake-ups named them. Only rows still running under that claim, held by
+        this worker and marked for that wake id are returned (and unmarked): a forged,
+        altered or replayed wake-up returns nothing (0021_trust_boundary.sql). Returned in
+        the order of ``handed``."""
+        if not handed:
+            return []
+        rows = conn.execute(self.q["waiter_take"], {
+            "waiters": [h[0] for h in handed], "ids": [h[1] for h in handed],
+            "claims": [h[2] for h in handed], "worker": self.worker}).fetchall()
+        got = {r[0]: Claimed(r[0], r[1], r[2], r[3]) for r in rows}
+        return [got.pop(h[1]) for h in handed if h[1] in got]
+
     def wake_all(self, conn: psycopg.Connection, queues: Sequence[str]) -> None:
         """Tell every consumer of ``queues`` to claim (a wake-up that reached a consumer
         no longer consuming them is passed on)."""

@@ -19,9 +19,11 @@ absent
     claim). A claim that drains leaves it armed and sends nothing extra.
 
 A wake-up on the consumer's own channel means the registration is gone: the queue is absent
-again. A wake-up may carry a message the publish claimed for this consumer (a *hand-off*,
-``0018_hand_off.sql``; :func:`handed_row` reads it): the consumer delivers it without a claim,
-or hands it back when it can no longer take it. A wake-up read while a claim was in flight
+again. A wake-up may name a message the publish claimed for this consumer (a *hand-off*,
+``0018_hand_off.sql``, ``0021_trust_boundary.sql``; :func:`handed_ids` reads its ids): the
+consumer takes it with one fenced statement instead of a claim, delivers it, or hands it back
+when it can no longer take it. A notification is never trusted: any role that can connect may
+LISTEN and NOTIFY, so a wake-up only ever causes a statement, never a delivery by itself. A wake-up read while a claim was in flight
 must not be overwritten by that claim's result, hence the per-queue wake count a
 :class:`Ticket` remembers. A wake-up the consumer cannot act on (its prefetch window is closed,
 or it stops consuming the queue) is passed on to every consumer of the queue, never kept: its
@@ -31,12 +33,14 @@ registration is already gone, so nobody else would be woken for that message.
 from __future__ import annotations
 
 import random
+import re
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
-from .core import Claimed, ClaimResult, WaitPlan
+from .core import ClaimResult, WaitPlan
 
-__all__ = ["ARMED", "CONFIRMING", "HAND_OFF", "UNQUIET", "Ticket", "Waits", "handed_row"]
+__all__ = ["ARMED", "CONFIRMING", "HAND_OFF", "UNQUIET", "Handed", "Ticket", "Waits",
+           "handed_ids"]
 
 UNQUIET = "unquiet"
 CONFIRMING = "confirming"
@@ -52,15 +56,33 @@ _random = random.SystemRandom()
 #: First character of a hand-off's payload (a plain wake-up's payload is the queue's name).
 HAND_OFF = "\x1e"
 
+#: A hand-off's payload (0021_trust_boundary.sql): ids and the queue, never the message.
+_HANDED = re.compile(r"\x1e([1-9][0-9]{0,18}) ([0-9]{1,10}):(.+)", re.DOTALL)
 
-def handed_row(payload: str) -> Claimed | None:
-    """The row a hand-off carries, or None for a plain wake-up (the payload is a queue).
-    Format (0018_hand_off.sql): ``\\x1e<id> <claim> <len(queue)> <queue><message>``."""
-    if not payload.startswith(HAND_OFF):
+
+@dataclass(frozen=True, slots=True)
+class Handed:
+    """What a hand-off's wake-up names: the row and claim a publish took for the consumer
+    listening on wake id ``waiter``. Nothing in it is trusted: the consumer delivers only
+    what its fenced take (``QueueCore.take_handed``) reads back."""
+
+    waiter: int
+    id: int
+    claim: int
+    queue: str
+
+
+def handed_ids(payload: str, waiter: int) -> Handed | None:
+    """The ids a hand-off names, or None: a plain wake-up (the payload is a queue), or a
+    payload in no format this version sends (an older hand-off that carried the message,
+    something made up). Format: ``\\x1e<id> <claim>:<queue>``."""
+    m = _HANDED.fullmatch(payload)
+    if m is None:
         return None
-    job_id, claim, length, rest = payload[1:].split(" ", 3)
-    size = int(length)
-    return Claimed(int(job_id), int(claim), rest[:size], rest[size:])
+    claim = int(m.group(2))
+    if claim > 2**31 - 1:
+        return None
+    return Handed(waiter, int(m.group(1)), claim, m.group(3))
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,7 +24,7 @@ import pytest
 
 from kombu_pgjobs import outbox
 from kombu_pgjobs.core import QueueCore, job_from_message
-from kombu_pgjobs.waiting import handed_row
+from kombu_pgjobs.waiting import handed_ids
 
 from .conftest import broker_url, wait_for
 from .test_wake_one import Drainer, _producer, _waiters
@@ -57,28 +57,36 @@ def test_a_publish_hands_its_message_to_the_consumer_it_wakes(
         url: str, dsn: str, schema: str, db: psycopg.Connection[Any]) -> None:
     producer = _producer(url, schema, QUEUE)
     try:
-        with _waiter(dsn, schema) as (conn, _):
+        with _waiter(dsn, schema) as (conn, waiter):
             producer.SimpleQueue(QUEUE).put({"n": 1})
             (note,) = list(conn.notifies(timeout=5, stop_after=1))
-        row = handed_row(note.payload)
+        row = handed_ids(note.payload, waiter)
         assert row is not None and row.queue == QUEUE
+        # ids only (0021_trust_boundary.sql): the message never travels in a notification
+        assert note.payload == f"\x1e{row.id} {row.claim}:{QUEUE}"
         job_id, state, claim, attempts, worker, lease = _row(db, schema)
         # Claimed in the publish's own transaction: the lease starts at the row's creation.
         assert (row.id, row.claim) == (job_id, claim) == (job_id, 1)
         assert (state, attempts, worker, lease) == ("running", 1, "hand:1", 30.0)
-        stored = db.execute(f'SELECT message::text FROM "{schema}".pgjobs_job').fetchone()[0]
-        assert row.message == stored
+        marked = db.execute(f'SELECT handed_to FROM "{schema}".pgjobs_job').fetchone()[0]
+        assert marked == waiter
         assert _waiters(db, schema, QUEUE) == 0  # the registration went with the hand-off
+        # The consumer's fenced take reads the message once: a replay reads nothing.
+        core = QueueCore(schema, lease_ttl=30, max_attempts=3, worker="hand:1")
+        stored = db.execute(f'SELECT message::text FROM "{schema}".pgjobs_job').fetchone()[0]
+        (taken,) = core.take_handed(db, [(waiter, row.id, row.claim)])
+        assert (taken.id, taken.claim, taken.queue, taken.message) == (
+            row.id, row.claim, QUEUE, stored)
+        assert core.take_handed(db, [(waiter, row.id, row.claim)]) == []
     finally:
         producer.release()
 
 
-@pytest.mark.parametrize("case", ["countdown", "limits", "paused", "large", "wake_only"])
+@pytest.mark.parametrize("case", ["countdown", "limits", "paused", "wake_only"])
 def test_messages_a_claim_would_not_take_at_once_only_wake_the_consumer(
         case: str, url: str, dsn: str, schema: str, db: psycopg.Connection[Any]) -> None:
-    """Not due, under a limit, on a paused queue, too large for a payload, or a consumer that
-    wants wake-ups only: the wake-up names the queue and the row stays ready for the
-    consumer's claim."""
+    """Not due, under a limit, on a paused queue, or a consumer that wants wake-ups only: the
+    wake-up names the queue and the row stays ready for the consumer's claim."""
     producer = _producer(url, schema, QUEUE)
     try:
         if case == "paused":
@@ -93,8 +101,6 @@ def test_messages_a_claim_would_not_take_at_once_only_wake_the_consumer(
             elif case == "limits":
                 p.publish(body, routing_key=QUEUE, headers={
                     "x-pgjobs-limits": {"concurrency": [{"key": "k:1", "limit": 1}]}})
-            elif case == "large":
-                p.publish({"pad": "x" * 8000}, routing_key=QUEUE)
             else:
                 p.publish(body, routing_key=QUEUE)
             notes = list(conn.notifies(timeout=5, stop_after=1))
@@ -199,7 +205,7 @@ def test_a_publish_that_hands_off_commits_durably_even_when_asynchronous(
             cur.nextset()  # the last SELECT's
             setting = cur.fetchone()[0]
         (note,) = list(conn.notifies(timeout=5, stop_after=1))
-    assert (handed_row(note.payload) is not None) == waiting
+    assert (handed_ids(note.payload, 1) is not None) == waiting
     assert setting == ("local" if waiting else "off")
 
 
@@ -272,7 +278,7 @@ def test_a_publish_hands_off_only_as_its_own_transaction(
         else:
             core.publish(app, job)
         (note,) = list(conn.notifies(timeout=5, stop_after=1))
-    assert (handed_row(note.payload) is None) == block
+    assert (handed_ids(note.payload, 1) is None) == block
 
 
 _HOLDER = """

@@ -122,8 +122,8 @@ def test_a_claim_leaves_the_ack_of_a_busy_key_held_and_ack_settles_it(db, dsn, s
     _publish(core, db, [("a", _keyed("k", 1)), ("plain", None)])
     a, plain = core.claim(db, ["q"], 2).claimed
     with psycopg.connect(dsn) as other:  # another transaction is changing key k right now
-        other.execute("SELECT pg_advisory_xact_lock(hashtext(%s), hashtext('k'))",
-                      (core.channel + ".limit",))
+        other.execute(f'SELECT "{schema}".pgjobs_lock_v1(%s, %s, %s)',
+                      ("limit", ["k"], "wait"))
         result = core.claim(db, ["q"], 2, [(a.id, a.claim), (plain.id, plain.claim)])
         assert result.acked == {plain.id}, "a claim never waits for a key's lock"
         assert result.unsettled == [(a.id, a.claim)]

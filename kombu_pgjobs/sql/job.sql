@@ -181,7 +181,8 @@ WITH given AS (
            claim = j.claim + 1,
            attempts = j.attempts + 1,
            lease_expires_at = now() + make_interval(secs => %(ttl)s),
-           worker = %(worker)s
+           worker = %(worker)s,
+           handed_to = NULL  -- a hand-off's mark names only the claim it was handed
      WHERE j.id = ANY (ARRAY(SELECT a.id FROM admitted AS a
                               WHERE a.v IS NULL OR (a.v).verdict = 'ok'))
     RETURNING j.id, j.claim, j.queue, j.priority, j.run_at, j.message
@@ -233,13 +234,15 @@ SELECT 'n', NULL, NULL, NULL, NULL,
  WHERE (SELECT yes FROM drained)
 UNION ALL
 -- Tried exclusively (never waiting) and held to this commit: a publisher that reads the
--- registrations after this point waits for the commit and sees them.
-SELECT 'w', bool_and(pg_try_advisory_xact_lock(hashtext('pgjobs.wake'),
-                                               hashtext(%(schema_name)s || '.' || b.name)))::int,
+-- registrations after this point waits for the commit and sees them. A row lock on
+-- pgjobs_lock (0021_trust_boundary.sql): a role outside the app cannot hold it.
+SELECT 'w', {schema}.pgjobs_lock_v1('wake',
+                                    ARRAY(SELECT %(schema_name)s || '.' || b.name
+                                            FROM unnest(%(barrier)s::text[]) AS b(name)),
+                                    'try')::int,
        NULL, NULL, NULL, NULL, NULL
-  FROM unnest(%(barrier)s::text[]) AS b(name)
- WHERE %(waiter)s::bigint IS NOT NULL AND (SELECT yes FROM drained)
-HAVING count(*) > 0;
+ WHERE %(waiter)s::bigint IS NOT NULL AND cardinality(%(barrier)s::text[]) > 0
+   AND (SELECT yes FROM drained);
 
 -- name: job_requeue :many
 -- Fenced requeue (basic_reject requeue=True, warm-shutdown restore). When %(uncount)s, the
@@ -433,7 +436,7 @@ WITH lapsed AS (
              WHERE f.job_id IS NULL AND f.taken_at < now() - interval '1 hour'
              LIMIT %(limit)s)
        AND sl.job_id IS NULL
-       AND pg_try_advisory_xact_lock(hashtext(%(channel)s || '.limit'), hashtext(sl.limit_key))
+       AND {schema}.pgjobs_lock_v1('limit', ARRAY[sl.limit_key], 'try')
 ), old_rates AS (
     DELETE FROM {schema}.pgjobs_rate
      WHERE (limit_key, window_start) IN (

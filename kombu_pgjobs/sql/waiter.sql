@@ -22,3 +22,28 @@ SELECT coalesce((SELECT array_agg(queue) FROM gone), '{{}}'::text[]),
 -- A wake-up reached a consumer that no longer consumes these queues: every consumer of them
 -- is told instead (the schema's channel), so the message it announced is not left waiting.
 SELECT pg_notify(%(channel)s, q) FROM unnest(%(queues)s::text[]) AS q;
+
+-- name: waiter_take :many
+-- A consumer takes the messages publishes handed it (0021_trust_boundary.sql): each named by a
+-- wake-up's ids, read only if the row is still running under that claim, held by this
+-- consumer's worker and marked for one of its own wake ids; the mark is cleared, so a replayed
+-- wake-up finds nothing, and a forged or altered one never matched. Returns (id, claim, queue,
+-- message) of the rows taken. Read by primary key. Its own commit need not be flushed
+-- (synchronous_commit off for this transaction): the claim it reads was durable when the
+-- publish committed, and a mark that a crash brings back names a wake id that died with the
+-- server's sessions.
+WITH quick AS (
+    SELECT set_config('synchronous_commit', 'off', true) AS off
+), handed AS (
+    SELECT h.id, h.claim, h.waiter
+      FROM unnest(%(ids)s::bigint[], %(claims)s::int[], %(waiters)s::bigint[])
+           AS h(id, claim, waiter)
+)
+UPDATE {schema}.pgjobs_job AS j
+   SET handed_to = NULL
+  FROM handed AS h, quick
+ WHERE j.id = ANY (%(ids)s::bigint[])
+   AND j.id = h.id AND j.claim = h.claim AND j.handed_to = h.waiter
+   AND j.state = 'running' AND j.worker = %(worker)s
+   AND quick.off IS NOT NULL
+RETURNING j.id, j.claim, j.queue, j.message::text;

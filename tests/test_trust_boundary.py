@@ -1,0 +1,279 @@
+"""The trust boundary (issue 28, 0021_trust_boundary.sql): a database role outside the app
+(CONNECT and nothing else) can neither run, read, replay nor stall the app's tasks.
+
+PostgreSQL lets every role that can connect LISTEN, NOTIFY and take advisory locks. Each test
+here makes a real second role with no grant on the pgjobs schema and attacks real kombu
+consumers and publishers with it: it listens on every channel it can name, replays what it
+heard, forges hand-offs in every format pgjobs ever sent, and holds every advisory lock key
+it can compute or read off ``pg_locks``. Deliveries are counted by the consumers and read
+back from the database.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import kombu
+import psycopg
+import pytest
+
+from kombu_pgjobs.errors import DatabaseTimeout
+
+from .conftest import wait_for
+from .test_wake_one import Drainer, _producer, _waiters
+
+QUEUE = "tb"
+
+
+@pytest.fixture
+def outsider(dsn: str) -> Iterator[str]:
+    """The DSN of a fresh login role with CONNECT (PostgreSQL's default for every role) and
+    no grant on anything of pgjobs's; dropped afterwards."""
+    role = f"pgjt_out_{uuid.uuid4().hex[:10]}"
+    with psycopg.connect(dsn, autocommit=True) as admin:
+        admin.execute(f'CREATE ROLE "{role}" LOGIN')
+    info = psycopg.conninfo.conninfo_to_dict(dsn)
+    info["user"] = role
+    info.pop("password", None)
+    yield psycopg.conninfo.make_conninfo(**info)
+    with psycopg.connect(dsn, autocommit=True) as admin:
+        admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                      "WHERE usename = %s", [role])
+        wait_for(lambda: admin.execute("SELECT count(*) FROM pg_stat_activity "
+                                       "WHERE usename = %s", [role]).fetchone()[0] == 0,
+                 10, what="the outsider's sessions to end")
+        admin.execute(f'DROP ROLE "{role}"')
+
+
+def _wake_ids(conn: psycopg.Connection[Any]) -> set[int]:
+    """Every bigint advisory lock key held on the server, as anyone can read it."""
+    rows = conn.execute(
+        "SELECT (classid::bigint << 32) | objid::bigint FROM pg_locks "
+        "WHERE locktype = 'advisory' AND objsubid = 1 AND granted").fetchall()
+    return {r[0] for r in rows}
+
+
+class Holding(Drainer):
+    """A consumer whose callback holds each message a moment before it acks (the ack is then
+    buffered: the row stays 'running' under its claim until the flush)."""
+
+    def _on(self, body: Any, message: Any) -> None:
+        self.got.append((body, time.monotonic()))
+        time.sleep(0.5)
+        message.ack()
+
+
+@pytest.mark.parametrize("hand_off", [True, False])
+def test_an_outsider_reads_no_message_and_runs_none_by_notify(
+        hand_off: bool, outsider: str, url: str, schema: str,
+        db: psycopg.Connection[Any]) -> None:
+    producer = _producer(url, schema, QUEUE)
+    consumer = Holding(url, schema, [QUEUE], "pgjt-trust", hand_off=hand_off)
+    consumer.start()
+    heard: list[tuple[str, str]] = []
+    listening: set[str] = set()
+    try:
+        wait_for(lambda: _waiters(db, schema, QUEUE) >= 1, 10, what="the consumer to wait")
+        with psycopg.connect(outsider, autocommit=True) as evil:
+            # It has no grant: it cannot read a message from the table.
+            with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                evil.execute(f'SELECT message FROM "{schema}".pgjobs_job')
+
+            def listen_everywhere() -> None:
+                channels = {f"pgjobs.{schema}"} | {f"pgjobs.w.{w}" for w in _wake_ids(evil)}
+                for ch in channels - listening:
+                    evil.execute(f'LISTEN "{ch}"')
+                    listening.add(ch)
+
+            def hear(seconds: float) -> None:
+                heard.extend((n.channel, n.payload)
+                             for n in evil.notifies(timeout=seconds))
+
+            listen_everywhere()
+            assert any(ch.startswith("pgjobs.w.") for ch in listening)
+            producer.SimpleQueue(QUEUE).put({"label": "real", "secret": "s3cr3t-body"})
+            wait_for(lambda: len(consumer.got) >= 1, 10, what="the real message")
+            hear(0.5)
+            # Eavesdropping: no notification carries the message, its headers or its task.
+            assert heard, "the outsider heard nothing: it listened on the wrong channels"
+            for _, payload in heard:
+                assert "s3cr3t" not in payload and "real" not in payload
+                assert "body" not in payload and "headers" not in payload
+            if hand_off:
+                assert any(p.startswith("\x1e") for _, p in heard), heard
+
+            # A message as pgjobs stores it, for the forgeries (published not due, then
+            # deleted by the test: the outsider could have built the same text by hand).
+            producer.Producer().publish({"label": "forged", "secret": "x"},
+                                        routing_key=QUEUE,
+                                        headers={"eta": "2999-01-01T00:00:00"})
+            fid, fmsg = db.execute(
+                f'SELECT id, message::text FROM "{schema}".pgjobs_job '
+                "WHERE delayed").fetchone()
+            db.execute(f'DELETE FROM "{schema}".pgjobs_job WHERE id = %s', [fid])
+            real_id = max(int(p[1:].split(" ")[0]) for _, p in heard
+                          if p.startswith("\x1e")) if hand_off else fid - 1
+
+            # Replay while the real run holds its message (its ack not yet flushed), and
+            # forged hand-offs in every format ever sent, on every channel it can name.
+            producer.SimpleQueue(QUEUE).put({"label": "second", "secret": "s3cr3t-2"})
+            wait_for(lambda: len(consumer.got) >= 2, 10, what="the second message")
+            hear(0.1)
+            listen_everywhere()
+            forged = [p for _, p in heard]
+            for mid, claim in ((real_id, 1), (real_id + 1, 1), (fid, 1), (fid, 0),
+                               (real_id + 5, 1)):
+                forged += [
+                    # version 18: the message in the payload
+                    f"\x1e{mid} {claim} {len(QUEUE)} {QUEUE}{fmsg}",
+                    # version 21: ids only
+                    f"\x1e{mid} {claim}:{QUEUE}",
+                    # malformed
+                    f"\x1e{mid}", f"\x1e{mid} {claim} 99 {QUEUE}",
+                ]
+            forged += [QUEUE, "no-such-queue", "\x1e", "\x1e\x1e 1 1"]
+            for _ in range(2):
+                for ch in sorted(listening):
+                    for payload in forged:
+                        evil.execute("SELECT pg_notify(%s, %s)", [ch, payload])
+                time.sleep(0.3)
+        time.sleep(1.5)
+        bodies = [b["label"] for b, _ in consumer.got]
+        assert sorted(bodies) == ["real", "second"], bodies
+        assert consumer.error is None
+        # Every forged or replayed hand-off settled nothing: no row is left, no dead letter.
+        wait_for(lambda: db.execute(f'SELECT count(*) FROM "{schema}".pgjobs_job')
+                 .fetchone()[0] == 0, 10, what="the acks to land")
+        assert db.execute(f'SELECT count(*) FROM "{schema}".pgjobs_dead_letter'
+                          ).fetchone()[0] == 0
+    finally:
+        consumer.stop_event.set()
+        consumer.join(10)
+        producer.release()
+
+
+def _old_keys(schema: str) -> list[tuple[str, str]]:
+    """The advisory lock keys versions up to 20 used: (class, key) text pairs."""
+    channel = f"pgjobs.{schema}"
+    return [("pgjobs.wake", f"{schema}.{QUEUE}"), (f"{channel}.limit", "k:1"),
+            (f"{channel}.rate", "r:1"), (f"{channel}.queued", "acme"),
+            ("pgjobs.epoch", schema)]
+
+
+def test_an_outsider_holding_every_lock_key_stalls_no_publish_or_claim(
+        outsider: str, url: str, schema: str, db: psycopg.Connection[Any]) -> None:
+    """It holds every advisory key it can compute and every one it reads off pg_locks, and
+    cannot lock pgjobs's rows: capped, limited and rate-limited publishes of tenant acme are
+    published and run as if it were not there."""
+    producer = _producer(url, schema, QUEUE)
+    consumer = Drainer(url, schema, [QUEUE], "pgjt-locks")
+    consumer.start()
+    try:
+        wait_for(lambda: _waiters(db, schema, QUEUE) >= 1, 10, what="the consumer to wait")
+        with psycopg.connect(outsider, autocommit=True) as evil:
+            for cls, key in _old_keys(schema):
+                assert evil.execute("SELECT pg_try_advisory_lock(hashtext(%s), hashtext(%s))",
+                                    [cls, key]).fetchone()[0]
+            assert evil.execute("SELECT pg_try_advisory_lock(hashtext(%s))",
+                                [f"pgjobs.migrate.{schema}"]).fetchone()[0]
+            for key in _wake_ids(evil):  # held by live consumers: it gets none of them
+                evil.execute("SELECT pg_try_advisory_lock(%s)", [key])
+            with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                evil.execute(f'SELECT 1 FROM "{schema}".pgjobs_lock FOR UPDATE')
+
+            p = producer.Producer()
+            started = time.monotonic()
+            for i in range(6):
+                p.publish({"label": f"m{i}"}, routing_key=QUEUE, headers={
+                    "x-pgjobs-tenant": "acme", "x-pgjobs-tenant-max-queued": 100,
+                    "x-pgjobs-limits": {
+                        "concurrency": [{"key": "k:1", "limit": 2}],
+                        "rate": [{"key": "r:1", "limit": 1000, "per": 60}]}})
+            p.publish({"label": "plain"}, routing_key=QUEUE)
+            published = time.monotonic() - started
+            wait_for(lambda: len(consumer.got) >= 7, 20, what="every message to run")
+            ran = time.monotonic() - started
+        assert published < 5.0 and ran < 20.0
+        assert sorted(b["label"] for b, _ in consumer.got) == \
+            sorted([f"m{i}" for i in range(6)] + ["plain"])
+        assert consumer.error is None
+    finally:
+        consumer.stop_event.set()
+        consumer.join(10)
+        producer.release()
+
+
+def test_a_publish_waits_for_a_tenant_lock_no_longer_than_lock_timeout(
+        url: str, schema: str, dsn: str) -> None:
+    """The rows that serialise a tenant's capped publishes can be held only by the app (its
+    own long transaction): even then a publish waits at most lock_timeout and fails with a
+    coded error, nothing written."""
+    _producer(url, schema, QUEUE).release()  # the schema and the queue
+    conn = kombu.Connection(url, transport_options={"schema": schema, "lock_timeout": 0.5})
+    try:
+        with psycopg.connect(dsn) as app:  # a transaction of the app's, left open
+            app.execute(f'SELECT "{schema}".pgjobs_lock_v1(%s, %s, %s)',
+                        ["queued", ["acme"], "wait"])
+            started = time.monotonic()
+            with pytest.raises(DatabaseTimeout) as caught:
+                conn.Producer().publish({"n": 1}, routing_key=QUEUE, headers={
+                    "x-pgjobs-tenant": "acme", "x-pgjobs-tenant-max-queued": 10})
+            waited = time.monotonic() - started
+            app.rollback()
+        assert caught.value.code == "PGJ-108"
+        assert waited < 5.0
+    finally:
+        conn.release()
+    with psycopg.connect(dsn) as check:
+        assert check.execute(f'SELECT count(*) FROM "{schema}".pgjobs_job').fetchone()[0] == 0
+
+
+def test_lock_rows_of_a_session_without_a_lock_timeout_are_still_bounded(
+        url: str, schema: str, dsn: str) -> None:
+    """An app connection with lock_timeout = 0 (the outbox publishes on the app's own
+    connection): the row waits of pgjobs_lock_v1 are bounded anyway (10 s), and the session's
+    setting is left as it was."""
+    _producer(url, schema, QUEUE).release()
+    with psycopg.connect(dsn) as holder, psycopg.connect(dsn, autocommit=True) as app:
+        holder.execute(f'SELECT "{schema}".pgjobs_lock_v1(%s, %s, %s)',
+                       ["queued", ["acme"], "wait"])
+        app.execute("SET lock_timeout = 0")
+        with app.transaction():
+            assert app.execute(f'SELECT "{schema}".pgjobs_lock_v1(%s, %s, %s)',
+                               ["queued", ["beta-not-acme"], "wait"]).fetchone()[0]
+            assert app.execute("SHOW lock_timeout").fetchone()[0] == "0"
+        box: dict[str, Any] = {}
+
+        def wait() -> None:
+            started = time.monotonic()
+            try:
+                app.execute(f'SELECT "{schema}".pgjobs_lock_v1(%s, %s, %s)',
+                            ["queued", ["acme"], "wait"])
+            except psycopg.errors.LockNotAvailable as exc:
+                box["error"] = exc
+            box["waited"] = time.monotonic() - started
+
+        t = threading.Thread(target=wait)
+        t.start()
+        t.join(30)
+        holder.rollback()
+    assert isinstance(box.get("error"), psycopg.errors.LockNotAvailable)
+    assert 8.0 < box["waited"] < 20.0
+
+
+def test_old_hand_off_payload_parses_as_nothing() -> None:
+    """A version 18 hand-off (the message in the payload) is in no format this version
+    reads: a consumer never takes a message from a notification."""
+    from kombu_pgjobs.waiting import handed_ids
+
+    msg = json.dumps({"body": "x", "headers": {}})
+    assert handed_ids(f"\x1e12 1 2 tb{msg}", 7) is None
+    got = handed_ids("\x1e12 1:tb", 7)
+    assert got is not None and (got.waiter, got.id, got.claim, got.queue) == (7, 12, 1, "tb")
+    for bad in ("\x1e12", "tb", "\x1e0 1:tb", f"\x1e1 {2**31}:tb", "\x1e12 1:", "\x1e-1 1:tb"):
+        assert handed_ids(bad, 7) is None, bad
