@@ -277,3 +277,35 @@ def test_old_hand_off_payload_parses_as_nothing() -> None:
     assert got is not None and (got.waiter, got.id, got.claim, got.queue) == (7, 12, 1, "tb")
     for bad in ("\x1e12", "tb", "\x1e0 1:tb", f"\x1e1 {2**31}:tb", "\x1e12 1:", "\x1e-1 1:tb"):
         assert handed_ids(bad, 7) is None, bad
+
+
+def test_an_outsider_cannot_stall_an_upgrade_and_only_bounds_a_first_install(
+        outsider: str, dsn: str, schema: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Migrations of an installed schema serialise on its migration table's lock, which an
+    outsider cannot take; the advisory lock it can hold only delays a first install, for a
+    bounded time, with a coded error."""
+    from kombu_pgjobs import schema as migrations
+    from kombu_pgjobs.errors import MigrationError
+
+    with psycopg.connect(outsider, autocommit=True) as evil:
+        assert evil.execute("SELECT pg_try_advisory_lock(hashtext(%s))",
+                            [f"pgjobs.migrate.{schema}"]).fetchone()[0]
+        monkeypatch.setattr(migrations, "FIRST_INSTALL_WAIT", "1s")
+        with psycopg.connect(dsn, autocommit=True) as app:
+            started = time.monotonic()
+            with pytest.raises(MigrationError) as caught:
+                migrations.migrate(app, schema)
+            assert caught.value.code == "PGJ-701" and time.monotonic() - started < 10
+            evil.execute("SELECT pg_advisory_unlock_all()")
+            assert migrations.migrate(app, schema)  # installed
+            with pytest.raises(psycopg.errors.InsufficientPrivilege), evil.transaction():
+                evil.execute(f'LOCK TABLE "{schema}".pgjobs_migration IN SHARE MODE')
+            assert evil.execute("SELECT pg_try_advisory_lock(hashtext(%s))",
+                                [f"pgjobs.migrate.{schema}"]).fetchone()[0]
+            # An upgrade (the last version taken back: its migration runs again, idempotent)
+            # is not held up by the outsider.
+            app.execute(f'DELETE FROM "{schema}".pgjobs_migration WHERE version = '
+                        f'(SELECT max(version) FROM "{schema}".pgjobs_migration)')
+            started = time.monotonic()
+            assert migrations.migrate(app, schema) == [migrations.latest_version()]
+            assert time.monotonic() - started < 10

@@ -1,7 +1,8 @@
 """Versioned, idempotent migrations of the pgjobs schema.
 
 Migrations are ``NNNN_name.sql`` files beside this module, applied in order, each once, in one
-transaction under a transaction-scoped advisory lock: ten workers starting at once install the
+transaction under the lock of the ``pgjobs_migration`` table (a first install: a transaction-
+scoped advisory lock, waited on for a bounded time): ten workers starting at once install the
 schema once, and the others wait and then see it installed. ``{schema}`` in a file is replaced by
 the quoted schema identifier.
 
@@ -21,7 +22,7 @@ from importlib import resources
 import psycopg
 from psycopg import sql
 
-from ..errors import MigrationError, SchemaTooNew
+from ..errors import DatabaseTimeout, MigrationError, SchemaTooNew
 from ..options import validate_schema_name
 
 __all__ = ["Migration", "check_not_newer", "current_version", "latest_version", "migrate",
@@ -84,6 +85,41 @@ def current_version(conn: psycopg.Connection, schema: str, *,
     return min(gaps) - 1 if gaps else version
 
 
+#: How long a first install waits for another process's (the advisory lock it takes has no
+#: table to lock yet, and any role may hold an advisory lock: the wait must end).
+FIRST_INSTALL_WAIT = "120s"
+
+
+def _lock_migrations(conn: psycopg.Connection, schema: str) -> None:
+    """Serialise migrators of ``schema``. An installed schema: the lock of its
+    ``pgjobs_migration`` table (``SHARE ROW EXCLUSIVE``, which needs a write grant on it: no
+    role outside the app can take or hold it), waited on without a bound (another process's
+    migration). A first install has no table to lock: a transaction-scoped advisory lock, which
+    any role that can connect could hold, so its wait is bounded (FIRST_INSTALL_WAIT) and ends
+    in MigrationError. The first installer takes the table's lock too once it made the table,
+    so the two paths exclude each other."""
+    ident = sql.Identifier(schema)
+    row = conn.execute("SELECT to_regclass(%s) IS NOT NULL",
+                       (f'"{schema}".pgjobs_migration',)).fetchone()
+    if row and row[0]:
+        conn.execute("SET LOCAL lock_timeout = 0", prepare=False)
+        conn.execute(sql.SQL("LOCK TABLE {}.pgjobs_migration IN SHARE ROW EXCLUSIVE MODE")
+                     .format(ident))
+        return
+    conn.execute(sql.SQL("SET LOCAL lock_timeout = {}").format(
+        sql.Literal(FIRST_INSTALL_WAIT)), prepare=False)
+    try:
+        with conn.transaction():  # a savepoint: the error below is ours to report
+            conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))",
+                         (f"pgjobs.migrate.{schema}",))
+    except (psycopg.errors.LockNotAvailable, DatabaseTimeout):
+        raise MigrationError(
+            f"installing schema {schema!r} waited {FIRST_INSTALL_WAIT} for another "
+            "installer's lock (pg_advisory_xact_lock(hashtext('pgjobs.migrate.<schema>'))): "
+            "find the session holding it in pg_locks; if it is not a pgjobs process, "
+            "terminate it (any role that can connect may take an advisory lock)") from None
+
+
 def migrate(conn: psycopg.Connection, schema: str) -> list[int]:
     """Apply pending migrations; return the versions applied (empty when up to date)."""
     validate_schema_name(schema)
@@ -94,16 +130,17 @@ def migrate(conn: psycopg.Connection, schema: str) -> list[int]:
             # No timeouts inside a migration (the lock_timeout/statement_timeout options hold
             # for the session): the advisory lock waits for another process's migration, and
             # a DDL on a big table must not be cut short and retried by every worker forever.
-            conn.execute("SET LOCAL lock_timeout = 0", prepare=False)
             conn.execute("SET LOCAL statement_timeout = 0", prepare=False)
-            conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))",
-                         (f"pgjobs.migrate.{schema}",))
+            _lock_migrations(conn, schema)
+            conn.execute("SET LOCAL lock_timeout = 0", prepare=False)
             conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(ident))
             conn.execute(sql.SQL(
                 "CREATE TABLE IF NOT EXISTS {}.pgjobs_migration ("
                 " version integer PRIMARY KEY,"
                 " name text NOT NULL,"
                 " applied_at timestamptz NOT NULL DEFAULT now())").format(ident))
+            conn.execute(sql.SQL("LOCK TABLE {}.pgjobs_migration IN SHARE ROW EXCLUSIVE MODE")
+                         .format(ident))
             rows = conn.execute(
                 sql.SQL("SELECT version FROM {}.pgjobs_migration").format(ident)).fetchall()
             done = {r[0] for r in rows}
