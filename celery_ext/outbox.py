@@ -19,8 +19,9 @@ broker elsewhere they are staged in ``pgjobs_outbox`` and ``pgjobs relay`` publi
 What it takes as ``conn``: a psycopg 3 connection; a SQLAlchemy ``Session`` or
 ``Connection`` (psycopg 3 driver) in a transaction (``with session.begin():``); nothing inside
 Django's ``transaction.atomic()`` (the default database; ``using=`` for another). Anything else
-is refused (``UnsupportedConnection``, PGJ-514); a connection not in a transaction too
-(``NotInTransaction``, PGJ-510), nothing written.
+is refused (``UnsupportedConnection``, PGJ-514), as is no argument when Django is missing or
+not configured; a connection not in a transaction too (``NotInTransaction``, PGJ-510), nothing
+written, and a transaction the app's code ended (or failed) inside the block, when it ends.
 
 The staging schema (broker elsewhere) is ``schema=`` or the app setting
 ``pgjobs_outbox_schema`` (default ``"pgjobs"``).
@@ -41,6 +42,7 @@ from celery._state import _get_active_apps
 from kombu_pgjobs import outbox
 from kombu_pgjobs.database import conninfo_from_url
 from kombu_pgjobs.errors import ConfigurationError, NotInTransaction, UnsupportedConnection
+from kombu_pgjobs.events import one_line
 from kombu_pgjobs.options import TransportOptions
 from kombu_pgjobs.relay import Relay
 
@@ -68,6 +70,28 @@ def _django(conn: Any) -> psycopg.Connection[Any]:
     return _driver(conn.connection, f"Django database {conn.alias!r}")
 
 
+def _django_connection(connections: Any, alias: str) -> Any:
+    """Django's connection ``alias``; Django installed but not configured (no
+    DJANGO_SETTINGS_MODULE, no ``settings.configure()``, a settings module that does not
+    import) or no such alias is UnsupportedConnection: there is no Django connection to
+    publish through, which is the same mistake as Django not being installed."""
+    from django.core.exceptions import ImproperlyConfigured
+    from django.utils.connection import ConnectionDoesNotExist
+
+    try:
+        return connections[alias]
+    except (ImproperlyConfigured, ImportError) as exc:
+        raise UnsupportedConnection(
+            "celery_ext.transaction() without a connection uses Django's database, and "
+            f"Django is not configured ({one_line(exc, 200)}): set DJANGO_SETTINGS_MODULE or call "
+            "settings.configure() first, or pass the app's psycopg connection or SQLAlchemy "
+            "Session") from None
+    except ConnectionDoesNotExist:
+        raise UnsupportedConnection(
+            f"celery_ext.transaction(using={alias!r}): Django has no database {alias!r} in "
+            "settings.DATABASES") from None
+
+
 def psycopg_connection(conn: Any = None, *, using: str | None = None) -> psycopg.Connection[Any]:
     """The psycopg 3 connection under ``conn`` (see the module docstring), checked to be in
     the app's transaction as its framework sees it."""
@@ -81,7 +105,7 @@ def psycopg_connection(conn: Any = None, *, using: str | None = None) -> psycopg
                 "celery_ext.transaction() without a connection is for Django (inside "
                 "transaction.atomic()): pass the app's psycopg connection or SQLAlchemy "
                 "Session") from None
-        return _django(connections[using or "default"])
+        return _django(_django_connection(connections, using or "default"))
     if hasattr(conn, "in_atomic_block") and hasattr(conn, "alias"):  # a Django connection
         return _django(conn)
     kind = type(conn).__module__.split(".")[0]
@@ -151,8 +175,36 @@ def transaction(conn: Any = None, *, schema: str | None = None, using: str | Non
     app = app or current_app
     for each in {app, *_get_active_apps()}:  # every app of the process publishes through it
         hook_app(each)
-    with outbox.transaction(psy, schema=_schema(app, schema)) as block:
-        yield block
+    body_done = False
+    try:
+        with outbox.transaction(psy, schema=_schema(app, schema)) as block:
+            yield block
+            body_done = True
+    except (psycopg.errors.InvalidSavepointSpecification,
+            psycopg.errors.InFailedSqlTransaction) as exc:
+        if not body_done:
+            raise  # the app's own statement in the block: its error, untouched
+        raise _ended_inside(exc) from None
+
+
+def _ended_inside(exc: psycopg.Error) -> NotInTransaction:
+    """The block's savepoint could not be released: the app's code ended the transaction
+    inside the block (``conn.commit()``, ``COMMIT``, ``ROLLBACK``, a release of or rollback to
+    a savepoint opened before the block) and went on, or a statement failed in the block and
+    the app caught its error. Either way the block's messages and the app's writes no longer
+    commit together: PGJ-510, as docs/outbox.md says, rather than the driver's "savepoint does
+    not exist". (A transaction that ended with nothing run after it is refused the same way
+    by :func:`kombu_pgjobs.outbox.transaction` itself.)"""
+    if isinstance(exc, psycopg.errors.InFailedSqlTransaction):
+        return NotInTransaction(
+            "a statement failed inside the transaction() block and its error was caught: "
+            "the transaction cannot commit (roll it back); let the error leave the block, "
+            "or run the statement in a savepoint of its own (conn.transaction())")
+    return NotInTransaction(
+        "the transaction ended inside the transaction() block (a commit or rollback in it, or "
+        "a savepoint opened before it released or rolled back to) and statements ran after "
+        "it, outside the block's savepoint: roll back, and end the transaction after the "
+        f"block ({one_line(exc, 120)})")
 
 
 class OutboxRelay(bootsteps.StartStopStep):
