@@ -11,9 +11,10 @@ operators see (:meth:`WebhookStore.ls`, :meth:`WebhookStore.show`) never selects
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import date, datetime
 from typing import Any
@@ -21,20 +22,35 @@ from urllib.parse import urlsplit
 
 import psycopg
 
-from .errors import InvalidArgument, InvalidWebhookEndpoint, WebhookEndpointNotFound
+from .errors import (
+    EgressRefused,
+    InvalidArgument,
+    InvalidWebhookEndpoint,
+    InvalidWebhookSetting,
+    PgJobsError,
+    WebhookEndpointNotFound,
+)
 from .options import validate_schema_name
 from .sql import queries
 
 __all__ = [
     "MASK",
     "MAX_EXCERPT",
+    "METADATA_ADDRESSES",
     "Endpoint",
     "WebhookStore",
+    "check_addresses",
     "check_disable_after",
     "check_endpoint_id",
     "check_secret",
     "check_url",
+    "check_url_egress",
+    "parse_allow_hosts",
+    "refusal",
 ]
+
+Address = ipaddress.IPv4Address | ipaddress.IPv6Address
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 #: what operators see instead of a secret
 MASK = "********"
@@ -77,6 +93,95 @@ def check_url(url: Any) -> str:
     if port == 0:
         raise InvalidWebhookEndpoint(f"webhook URL {url[:80]!r} has port 0")
     return url
+
+
+# -- egress: which addresses a delivery may connect to -------------------------------------
+# Here, not in celery_ext.webhooks.egress (which connects through it), so that `pgjobs
+# webhooks add` refuses what add_endpoint refuses without importing Celery or httpx.
+
+#: cloud metadata services, refused even where they are public addresses (Azure's wire server)
+METADATA_ADDRESSES = frozenset(ipaddress.ip_address(a) for a in (
+    "169.254.169.254",   # AWS, GCP, Azure, OpenStack, DigitalOcean...
+    "169.254.170.2",     # AWS ECS task metadata
+    "fd00:ec2::254",     # AWS over IPv6
+    "100.100.100.200",   # Alibaba Cloud
+    "192.0.0.192",       # Oracle Cloud
+    "168.63.129.16",     # Azure wire server
+))
+
+
+def refusal(address: Address) -> str | None:
+    """Why a delivery must not connect to ``address`` (None: it may)."""
+    if isinstance(address, ipaddress.IPv6Address):
+        mapped = address.ipv4_mapped or address.sixtofour
+        if mapped is not None:
+            return refusal(mapped)
+    if address in METADATA_ADDRESSES:
+        return "a cloud metadata address"
+    for what, flag in (("loopback", address.is_loopback), ("link-local", address.is_link_local),
+                       ("unspecified", address.is_unspecified),
+                       ("multicast", address.is_multicast), ("private", address.is_private),
+                       ("reserved", address.is_reserved)):
+        if flag:
+            return f"a {what} address"
+    if not address.is_global:
+        return "not a public address"
+    return None
+
+
+def check_addresses(host: str, addresses: Iterable[Address], *, allow_names: Iterable[str],
+                    allow_networks: Iterable[Network]) -> None:
+    """Raise :class:`EgressRefused` (``PGJ-805``) if any address of ``host`` is refused."""
+    if host.lower().rstrip(".") in set(allow_names):
+        return
+    networks = list(allow_networks)
+    for address in addresses:
+        why = refusal(address)
+        if why is not None and not any(address in net for net in networks
+                                       if net.version == address.version):
+            raise EgressRefused(
+                f"webhook host {host} resolves to {address}, {why}: refused (add the host or "
+                "a network holding it to pgjobs_webhook_allow_hosts if it is really meant)")
+
+
+def parse_allow_hosts(value: Any, what: str = "pgjobs_webhook_allow_hosts",
+                      error: type[PgJobsError] = InvalidWebhookSetting
+                      ) -> tuple[tuple[str, ...], tuple[Network, ...]]:
+    """``pgjobs_webhook_allow_hosts`` (or the CLI's ``--allow-host``) as (host names in lower
+    case, networks); ``error`` names what is wrong."""
+    if value is None:
+        return (), ()
+    if isinstance(value, str) or not isinstance(value, (list, tuple, set, frozenset)):
+        raise error(
+            f"{what} must be a list of host names, addresses or networks "
+            f"(['hooks.internal', '10.0.0.0/8']), got {value!r}")
+    names: list[str] = []
+    networks: list[Network] = []
+    for item in value:
+        if not isinstance(item, str) or not item or len(item) > 253 or any(
+                c.isspace() or ord(c) < 32 or 0x7f <= ord(c) <= 0x9f for c in item):
+            raise error(f"{what}: {item!r} is not a host name, address or network")
+        try:
+            networks.append(ipaddress.ip_network(item.strip("[]"), strict=False))
+        except ValueError:
+            if "/" in item:
+                raise error(f"{what}: {item!r} is not a valid network") from None
+            names.append(item.lower().rstrip("."))
+    return tuple(names), tuple(networks)
+
+
+def check_url_egress(url: str, *, allow_names: Iterable[str] = (),
+                     allow_networks: Iterable[Network] = ()) -> None:
+    """The check an endpoint's URL gets when it is added (``add_endpoint``, ``pgjobs webhooks
+    add``): a host that is an address literal the egress rule refuses is ``PGJ-805``. A host
+    name is left to the connect-time check (what it resolves to may change; the delivery
+    checks the address it connects to)."""
+    host = urlsplit(url).hostname or ""
+    try:
+        literal = ipaddress.ip_address(host)
+    except ValueError:
+        return
+    check_addresses(host, [literal], allow_names=allow_names, allow_networks=allow_networks)
 
 
 def check_secret(secret: Any) -> str:

@@ -18,9 +18,9 @@ from typing import Any
 
 from .admin import Admin, parse_duration
 from .cli import _admin, _age, _safe_line, _table, _ts
-from .errors import InvalidWebhookEndpoint, MigrationError
+from .errors import InvalidArgument, InvalidWebhookEndpoint, MigrationError
 from .schema import current_version
-from .webhooks import MASK, WebhookStore
+from .webhooks import MASK, WebhookStore, check_url, check_url_egress, parse_allow_hosts
 
 __all__ = ["register"]
 
@@ -66,7 +66,13 @@ def cmd_ls(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_add(args: argparse.Namespace) -> dict[str, Any]:
-    """Add an endpoint; the secret comes from --secret-env VAR or --secret-stdin."""
+    """Add an endpoint; the secret comes from --secret-env VAR or --secret-stdin. A URL whose
+    host is an address the egress rule refuses is refused as ``add_endpoint`` refuses it
+    (PGJ-805) unless ``--allow-host`` (the app's ``pgjobs_webhook_allow_hosts``) opens it."""
+    check_url(args.url)
+    names, networks = parse_allow_hosts(args.allow_host or [], "--allow-host",
+                                        InvalidArgument)
+    check_url_egress(args.url, allow_names=names, allow_networks=networks)
     secret = _secret(args)
     with _store(args) as store:
         ident = store.add(args.url, secret, description=args.description,
@@ -220,6 +226,10 @@ def register(sub: Any, common: argparse.ArgumentParser, add: Callable[..., Any])
     p.add_argument("--disable-after", type=int, metavar="N",
                    help="disable after N consecutive failed deliveries (default: the app's "
                         "pgjobs_webhook_disable_after)")
+    p.add_argument("--allow-host", action="append", metavar="HOST_OR_NETWORK",
+                   help="allow this host name, address or network although the egress rule "
+                        "refuses it (repeatable; as in the app's pgjobs_webhook_allow_hosts, "
+                        "which the workers' deliveries are checked against)")
     p = add(wsub, "rotate", cmd_rotate, _render_show, common)
     p.add_argument("id")
     _secret_args(p)

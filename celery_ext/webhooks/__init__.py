@@ -24,25 +24,27 @@ App settings: ``pgjobs_webhook_allow_hosts``, ``pgjobs_webhook_disable_after``,
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import math
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
 
 from celery import current_app
 
 from kombu_pgjobs.errors import InvalidWebhookEvent, InvalidWebhookSetting, WebhookEndpointNotFound
 from kombu_pgjobs.limits import LIMITS_HEADER, check_key
-from kombu_pgjobs.webhooks import WebhookStore, check_endpoint_id, check_url
+from kombu_pgjobs.webhooks import (
+    WebhookStore,
+    check_endpoint_id,
+    check_url,
+    check_url_egress,
+)
 
 from ..limits import limits_header
 from ..state import installed
 from .delivery import DELIVER_TASK, deliver, store
-from .egress import check_addresses
 from .settings import WebhookSettings, webhook_settings
 from .signing import (
     ATTEMPT_HEADER,
@@ -95,14 +97,8 @@ def add_endpoint(url: str, *, secret: str, description: str | None = None,
     app = _app(app)
     check_url(url)
     settings = webhook_settings(app.conf)
-    host = urlsplit(url).hostname or ""
-    try:
-        literal = ipaddress.ip_address(host)
-    except ValueError:
-        literal = None
-    if literal is not None:
-        check_addresses(host, [literal], allow_names=settings.allow_names,
-                        allow_networks=settings.allow_networks)
+    check_url_egress(url, allow_names=settings.allow_names,
+                     allow_networks=settings.allow_networks)
     backend, schema = store(app)
     return int(backend.publishing(lambda c: WebhookStore(c, schema).add(
         url, secret, description=description, disable_after=disable_after)))

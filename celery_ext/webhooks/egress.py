@@ -18,6 +18,10 @@ and "connect to the name"). TLS still verifies the certificate against the URL's
 (httpcore takes the SNI name from the URL, not from the address connected to). Redirects are
 never followed, proxies from the environment are ignored (a proxy would connect for us,
 unchecked), Unix sockets are refused, and a kept-alive connection was checked when it was made.
+
+
+The rule itself (:func:`refusal`, :func:`check_addresses`) lives in
+:mod:`kombu_pgjobs.webhooks`, so that ``pgjobs webhooks add`` applies it without Celery.
 """
 
 from __future__ import annotations
@@ -25,65 +29,22 @@ from __future__ import annotations
 import ipaddress
 import socket
 import typing
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import httpcore
 import httpx
 
 from kombu_pgjobs.errors import EgressRefused
+from kombu_pgjobs.webhooks import METADATA_ADDRESSES, check_addresses, refusal
 
-from .settings import Network, WebhookSettings
+from .settings import WebhookSettings
 
 __all__ = ["METADATA_ADDRESSES", "GuardedBackend", "check_addresses", "guarded_client",
            "refusal"]
 
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 Resolver = Callable[..., list[tuple[Any, ...]]]
-
-#: cloud metadata services, refused even where they are public addresses (Azure's wire server)
-METADATA_ADDRESSES = frozenset(ipaddress.ip_address(a) for a in (
-    "169.254.169.254",   # AWS, GCP, Azure, OpenStack, DigitalOcean...
-    "169.254.170.2",     # AWS ECS task metadata
-    "fd00:ec2::254",     # AWS over IPv6
-    "100.100.100.200",   # Alibaba Cloud
-    "192.0.0.192",       # Oracle Cloud
-    "168.63.129.16",     # Azure wire server
-))
-
-
-def refusal(address: Address) -> str | None:
-    """Why a delivery must not connect to ``address`` (None: it may)."""
-    if isinstance(address, ipaddress.IPv6Address):
-        mapped = address.ipv4_mapped or address.sixtofour
-        if mapped is not None:
-            return refusal(mapped)
-    if address in METADATA_ADDRESSES:
-        return "a cloud metadata address"
-    for what, flag in (("loopback", address.is_loopback), ("link-local", address.is_link_local),
-                       ("unspecified", address.is_unspecified),
-                       ("multicast", address.is_multicast), ("private", address.is_private),
-                       ("reserved", address.is_reserved)):
-        if flag:
-            return f"a {what} address"
-    if not address.is_global:
-        return "not a public address"
-    return None
-
-
-def check_addresses(host: str, addresses: Iterable[Address], *, allow_names: Iterable[str],
-                    allow_networks: Iterable[Network]) -> None:
-    """Raise :class:`EgressRefused` (``PGJ-805``) if any address of ``host`` is refused."""
-    if host.lower().rstrip(".") in set(allow_names):
-        return
-    networks = list(allow_networks)
-    for address in addresses:
-        why = refusal(address)
-        if why is not None and not any(address in net for net in networks
-                                       if net.version == address.version):
-            raise EgressRefused(
-                f"webhook host {host} resolves to {address}, {why}: refused (add the host or "
-                "a network holding it to pgjobs_webhook_allow_hosts if it is really meant)")
 
 
 class GuardedBackend(httpcore.NetworkBackend):

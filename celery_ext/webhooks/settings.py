@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import ipaddress
 import math
 from dataclasses import dataclass
 from typing import Any
 
 from kombu_pgjobs.errors import InvalidWebhookSetting
+from kombu_pgjobs.webhooks import Network, parse_allow_hosts
 
 __all__ = ["Network", "WebhookSettings", "webhook_settings"]
-
-Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,28 +53,7 @@ def _whole(conf: Any, name: str, default: int, high: int) -> int:
 
 
 def _allowed(conf: Any) -> tuple[tuple[str, ...], tuple[Network, ...]]:
-    value = conf.get("pgjobs_webhook_allow_hosts")
-    if value is None:
-        return (), ()
-    if isinstance(value, str) or not isinstance(value, (list, tuple, set, frozenset)):
-        raise InvalidWebhookSetting(
-            "pgjobs_webhook_allow_hosts must be a list of host names, addresses or networks "
-            f"(['hooks.internal', '10.0.0.0/8']), got {value!r}")
-    names: list[str] = []
-    networks: list[Network] = []
-    for item in value:
-        if not isinstance(item, str) or not item or len(item) > 253 or any(
-                c.isspace() or ord(c) < 32 for c in item):
-            raise InvalidWebhookSetting(
-                f"pgjobs_webhook_allow_hosts: {item!r} is not a host name, address or network")
-        try:
-            networks.append(ipaddress.ip_network(item.strip("[]"), strict=False))
-        except ValueError:
-            if "/" in item:
-                raise InvalidWebhookSetting(
-                    f"pgjobs_webhook_allow_hosts: {item!r} is not a valid network") from None
-            names.append(item.lower().rstrip("."))
-    return tuple(names), tuple(networks)
+    return parse_allow_hosts(conf.get("pgjobs_webhook_allow_hosts"))
 
 
 def webhook_settings(conf: Any) -> WebhookSettings:
