@@ -28,8 +28,9 @@ celery_ext app:
 A concurrency limit counts a message from its claim to its ack, so tasks it applies to are made
 ``acks_late`` (acked when they end); declaring one with ``acks_late=False`` is refused.
 
-The transport validates the header again at publish and enforces it in the claim; nothing here
-runs in the worker.
+A header the publisher passes itself (``apply_async(headers={"x-pgjobs-limits": ...})``) can
+tighten these, never loosen them (:func:`with_limits`). The transport validates the header again
+at publish and enforces it in the claim; nothing here runs in the worker.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kombu_pgjobs.errors import InvalidLimit, InvalidLimitKey
-from kombu_pgjobs.limits import LIMITS_HEADER, WHEN_BUSY, check_cap, check_key
+from kombu_pgjobs.limits import LIMITS_HEADER, WHEN_BUSY, check_cap, check_key, tighten
 
 __all__ = [
     "TENANT_HEADER",
@@ -186,13 +187,23 @@ def limits_header(task: Any, args: Any, kwargs: Any, options: Mapping[str, Any],
 
 def with_limits(task: Any, args: Any, kwargs: Any, options: Mapping[str, Any],
                 headers: dict[str, Any] | None) -> dict[str, Any] | None:
-    """``headers`` plus the limits header when the task or app declares limits (an explicit
-    header wins)."""
+    """``headers`` with the limits header the task and app declare for this publish.
+
+    Caps are the app's, not the publisher's: an explicit ``x-pgjobs-limits`` in ``headers``
+    (``apply_async(headers=...)``, a retry carrying its message's headers on, a webhook's
+    endpoint cap) is combined with the declaration by :func:`kombu_pgjobs.limits.tighten`,
+    so it can lower a declared limit, make a busy key refuse, or add a key of its own, and
+    never raise, drop or soften what the app declares."""
+    declared = limits_header(task, args, kwargs, options, headers or {})
     if headers is not None and LIMITS_HEADER in headers:
+        value = tighten(declared, headers[LIMITS_HEADER])
+    elif declared is None:
         return headers
-    value = limits_header(task, args, kwargs, options, headers or {})
-    if value is None:
-        return headers
+    else:
+        value = declared
     out = dict(headers or {})
-    out[LIMITS_HEADER] = value
+    if value is None:
+        out.pop(LIMITS_HEADER, None)  # an explicit null and nothing declared: no limits
+    else:
+        out[LIMITS_HEADER] = value
     return out

@@ -15,6 +15,9 @@ The header (set by celery_ext from task declarations, or by any publisher) is a 
 The claim enforces them in Postgres (``schema/0003_limits.sql``); this module only refuses a
 header that could not be enforced, where it is published, with a stable code. The validated
 header is stored as the row's ``limits`` column (the same JSON, normalised).
+
+:func:`tighten` combines the limits an app declares with a header a publisher wrote: the
+result is never looser than the declaration (celery_ext applies it at every publish).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ __all__ = [
     "check_cap",
     "check_key",
     "normalise",
+    "tighten",
 ]
 
 #: the header a message's limits travel in
@@ -76,7 +80,7 @@ def check_key(value: Any, what: str = "concurrency key", *,
     if len(value) > maximum:
         raise error(
             f"{what} is {len(value)} characters long (at most {maximum}): {value[:40]!r}...")
-    if any(ord(c) < 32 for c in value):
+    if any(ord(c) < 32 or ord(c) == 127 for c in value):  # DEL too, as names refuse it
         raise error(f"{what} has control characters: {value!r}")
     return value
 
@@ -119,8 +123,12 @@ def normalise(header: Any) -> str | None:
         if busy == "fail":
             item["when_busy"] = "fail"
         out.setdefault("concurrency", []).append(item)
+    rated: set[str] = set()
     for entry in _entries(header, "rate"):
         key = check_key(entry.get("key"), "rate key", maximum=MAX_STORED_KEY_LENGTH)
+        if key in rated:  # two counts of one key's window in one claim would fail the claim
+            raise InvalidLimit(f"rate key {key!r} is listed twice")
+        rated.add(key)
         out.setdefault("rate", []).append({
             "key": key, "limit": check_cap(entry.get("limit"), f"rate of {key!r}"),
             "per": _window(entry.get("per"))})
@@ -135,3 +143,60 @@ def _entries(header: Mapping[str, Any], name: str) -> list[Mapping[str, Any]]:
     if len(entries) > 8:
         raise InvalidLimit(f"{LIMITS_HEADER}[{name!r}] has {len(entries)} entries (at most 8)")
     return list(entries)
+
+
+def _parsed(header: Any) -> dict[str, list[dict[str, Any]]]:
+    """A header validated by :func:`normalise`, as plain lists (``when_busy`` always set)."""
+    text = normalise(header)
+    out: dict[str, list[dict[str, Any]]] = json.loads(text) if text else {}
+    for cap in out.get("concurrency", []):
+        cap.setdefault("when_busy", "wait")
+    return out
+
+
+def tighten(declared: Any, given: Any) -> dict[str, Any] | None:
+    """The limits a message runs under when its app declares ``declared`` and its publisher
+    wrote ``given`` (either an ``x-pgjobs-limits`` value or None): never looser than
+    ``declared``.
+
+    * Every declared cap and rate is kept, in its declared order.
+    * A given cap of a declared key can lower its limit (the smaller one is kept) and turn
+      ``when_busy`` from ``"wait"`` into ``"fail"``, never back: ``"fail"`` is the stricter
+      (a busy key refuses the message for good instead of running it later), so an app that
+      refuses duplicates keeps refusing them.
+    * A given rate of a declared key can lower its limit; the declared window is kept (the
+      starts of one key are counted per window, and one key has one window).
+    * A given cap or rate of a key the app does not declare is kept as given (it can only hold
+      the message back more), listed before the declared ones: a key the publisher adds for its
+      own message (a webhook endpoint's, say) is the most specific, and the first key is the
+      one a flood of messages is parked by.
+
+    ``given`` is validated first (:class:`InvalidLimit`, ``PGJ-301``, or
+    :class:`InvalidLimitKey`, ``PGJ-303``), so a malformed header is refused, not dropped.
+    """
+    mine = _parsed(declared)
+    theirs = _parsed(given)
+    out: dict[str, Any] = {}
+    caps = {c["key"]: c for c in theirs.get("concurrency", [])}
+    own = [c["key"] for c in mine.get("concurrency", [])]
+    merged = [c for key, c in caps.items() if key not in own]
+    for cap in mine.get("concurrency", []):
+        other = caps.get(cap["key"])
+        if other is not None:
+            cap["limit"] = min(cap["limit"], other["limit"])
+            if other["when_busy"] == "fail":
+                cap["when_busy"] = "fail"
+        merged.append(cap)
+    if merged:
+        out["concurrency"] = merged
+    rates = {r["key"]: r for r in theirs.get("rate", [])}
+    own = [r["key"] for r in mine.get("rate", [])]
+    merged = [r for key, r in rates.items() if key not in own]
+    for rate in mine.get("rate", []):
+        other = rates.get(rate["key"])
+        if other is not None:
+            rate["limit"] = min(rate["limit"], other["limit"])
+        merged.append(rate)
+    if merged:
+        out["rate"] = merged
+    return out or None
