@@ -54,7 +54,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -206,6 +206,20 @@ def recurrence(text: str, tz: str, app: Any) -> Recurrence:
     return CelerySolar(rec, app) if isinstance(rec, Solar) else rec
 
 
+def _given(name: str, spec: dict[str, Any], key: str, kind: Any, what: str,
+           default: Any) -> Any:
+    """``spec[key]`` (``default`` when absent or None), of the type Celery's beat takes:
+    anything else is refused rather than converted (``list("abc")`` would make the string's
+    characters the task's arguments, ``dict(...)`` of a string raises a bare ValueError)."""
+    value = spec.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, kind):
+        raise InvalidScheduleEntry(f"beat_schedule entry {name!r}: {key} must be {what}, got "
+                                   f"{type(value).__name__} {value!r:.60}")
+    return value
+
+
 def static_entries(app: Any) -> list[EntryDef]:
     """The app's beat_schedule as entries, each validated: a mistake raises its coded error
     at start (PGJ-601 schedule, 602 time zone, 603 catch-up, 604 the rest)."""
@@ -221,15 +235,17 @@ def static_entries(app: Any) -> list[EntryDef]:
         if not isinstance(spec, dict) or "task" not in spec or "schedule" not in spec:
             raise InvalidScheduleEntry(f"beat_schedule entry {name!r} needs 'task' and "
                                        "'schedule'")
-        options = dict(spec.get("options") or {})
+        args = _given(name, spec, "args", (list, tuple), "a list or tuple", [])
+        kwargs = _given(name, spec, "kwargs", Mapping, "a dict", {})
+        options = _given(name, spec, "options", Mapping, "a dict", {})
         tz = options.get("pgjobs_timezone", default_tz)
         try:
             zone(tz)
             entry = EntryDef(
                 name=name, task=spec["task"],
                 schedule=_schedule_text(name, spec["schedule"], tz), timezone=tz,
-                args=list(spec.get("args") or ()), kwargs=dict(spec.get("kwargs") or {}),
-                options=options, catch_up=options.get("pgjobs_catch_up", "skip"),
+                args=list(args), kwargs=dict(kwargs),
+                options=dict(options), catch_up=options.get("pgjobs_catch_up", "skip"),
                 catch_up_max=options.get("pgjobs_catch_up_max", DEFAULT_CATCH_UP_MAX))
             found.append(validate_entry(entry))
             recurrence(entry.schedule, tz, app)  # solar: Celery's, with ephem, works here
@@ -455,7 +471,8 @@ class LeaderScheduler(beat.Scheduler):
         entries: dict[str, Loaded] = {}
         default_tz = str(self.app.conf.timezone or "UTC")
         for row in self.store.load(self._connection()):
-            try:
+            try:  # a stored entry is checked as `pgjobs schedule add` checks it
+                validate_entry(row)
                 rec = recurrence(row.schedule, row.timezone or default_tz, self.app)
             except PgJobsError as exc:  # a row written by hand: say so, fire the rest
                 log_event("pgjobs.schedule.invalid", logging.ERROR, entry=row.name,

@@ -43,6 +43,7 @@ CATCH_UP = ("skip", "once", "all")
 #: cap of ``all`` when the entry does not say
 DEFAULT_CATCH_UP_MAX = 100
 _MAX_INTERVAL = 366 * 86400.0
+_MIN_INTERVAL = 0.001
 #: years searched for the next match of a crontab (Feb 29 on a Monday needs 28)
 _SEARCH_YEARS = 30
 
@@ -346,10 +347,14 @@ def cron_from_sets(minute: set[int], hour: set[int], day_of_month: set[int], mon
 
 
 def every(seconds: object) -> Every:
+    """An interval of at least a millisecond (issue 28): a finer grid is more occurrences
+    than fires (a statement and a publish each) can keep up with, so the entry would fire at
+    every tick and fall ever further behind."""
     if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or \
-            not math.isfinite(seconds) or not 0 < seconds <= _MAX_INTERVAL:
-        raise InvalidSchedule(f"interval must be a number of seconds in (0, {_MAX_INTERVAL:.0f}]"
-                              f", got {seconds!r}")
+            not math.isfinite(seconds) or not _MIN_INTERVAL <= seconds <= _MAX_INTERVAL:
+        raise InvalidSchedule(f"interval must be a number of seconds in [{_MIN_INTERVAL:g}, "
+                              f"{_MAX_INTERVAL:.0f}] (at least a millisecond), got "
+                              f"{seconds!r}")
     return Every(float(seconds))
 
 

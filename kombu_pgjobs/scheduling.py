@@ -22,7 +22,7 @@ from psycopg.types.json import Jsonb
 
 from .core import NewJob, QueueCore, queue_full
 from .errors import InvalidScheduleEntry, ScheduleEntryExists, ScheduleEntryNotFound
-from .options import validate_schema_name
+from .options import validate_queue_name, validate_schema_name
 from .recurrence import DEFAULT_CATCH_UP_MAX, check_catch_up, parse_schedule, zone
 from .sql import queries
 
@@ -79,39 +79,107 @@ class EntryRow(EntryDef):
         return self.last_occurrence or self.anchor
 
 
+def _control(text: str) -> bool:
+    return any(ord(c) < 32 or 0x7f <= ord(c) <= 0x9f for c in text)
+
+
 def check_entry_name(name: object) -> str:
-    if not isinstance(name, str) or not 1 <= len(name) <= 200 or \
-            any(ord(c) < 32 or 0x7f <= ord(c) <= 0x9f for c in name):
+    if not isinstance(name, str) or not 1 <= len(name) <= 200 or _control(name):
         raise InvalidScheduleEntry(
             f"entry name {name!r} must be 1-200 characters without control characters")
     return name
 
 
-def _json(what: str, value: Any, kind: type) -> Any:
+def _unstorable(value: Any, depth: int = 0) -> str | None:
+    """What in ``value`` PostgreSQL's ``jsonb`` (the entry's columns) cannot hold: a NUL or a
+    lone surrogate in a string or key (None: nothing). Checked before the INSERT, so the
+    mistake is PGJ-604 naming the field, not the driver's "unsupported Unicode escape"
+    (for a static entry: at every election, failing every entry's fires with it)."""
+    if depth > 100:
+        return "nesting deeper than 100 levels"
+    if isinstance(value, str):
+        if "\x00" in value:
+            return f"a NUL character in {value[:40]!r}"
+        if any(0xD800 <= ord(c) <= 0xDFFF for c in value):
+            return f"a lone surrogate in {value[:40]!r}"
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            why = _unstorable(key, depth + 1) or _unstorable(item, depth + 1)
+            if why:
+                return why
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            why = _unstorable(item, depth + 1)
+            if why:
+                return why
+    return None
+
+
+def _json(name: str, what: str, value: Any, kind: type) -> Any:
     if not isinstance(value, kind):
-        raise InvalidScheduleEntry(f"entry {what} must be a JSON {kind.__name__}, "
-                                   f"got {type(value).__name__}")
+        raise InvalidScheduleEntry(f"entry {name!r}: {what} must be a JSON {kind.__name__}, "
+                                   f"got {type(value).__name__} {value!r:.60}")
     try:
         json.dumps(value, allow_nan=False)
-    except (TypeError, ValueError) as exc:
-        raise InvalidScheduleEntry(f"entry {what} are not JSON: {exc}") from None
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise InvalidScheduleEntry(f"entry {name!r}: {what} are not JSON: {exc}") from None
+    why = _unstorable(value)
+    if why is not None:
+        raise InvalidScheduleEntry(f"entry {name!r}: {what} hold {why}, which PostgreSQL "
+                                   "cannot store: leave it out (or encode the data)")
     return value
 
 
+#: the message priorities a publish accepts (kombu_pgjobs.core: 0-255, above 9 counted as 9)
+PRIORITY_RANGE = (0, 255)
+
+
+def _check_options(name: str, options: dict[str, Any]) -> None:
+    """The options a publish would refuse at every fire, refused when the entry is read."""
+    if "priority" in options and options["priority"] is not None:
+        priority = options["priority"]
+        low, high = PRIORITY_RANGE
+        if isinstance(priority, bool) or not isinstance(priority, int) or \
+                not low <= priority <= high:
+            raise InvalidScheduleEntry(
+                f"entry {name!r}: priority must be a whole number in {low}-{high}, got "
+                f"{priority!r:.40}")
+    queue = options.get("queue")
+    if queue is not None and not isinstance(queue, str):
+        raise InvalidScheduleEntry(f"entry {name!r}: queue must be a queue name, got "
+                                   f"{queue!r:.40}")
+    if isinstance(queue, str):
+        validate_queue_name(queue)
+    headers = options.get("headers")
+    if headers is not None and not isinstance(headers, dict):
+        raise InvalidScheduleEntry(f"entry {name!r}: headers must be a JSON object, got "
+                                   f"{type(headers).__name__}")
+
+
 def validate_entry(entry: EntryDef) -> EntryDef:
-    """Every field checked, or a coded error (PGJ-601..604) naming the mistake; used by
-    ``pgjobs schedule add`` and by the scheduler at start for the app's beat_schedule."""
-    check_entry_name(entry.name)
-    if not isinstance(entry.task, str) or not 1 <= len(entry.task) <= 200:
-        raise InvalidScheduleEntry(f"entry {entry.name!r}: task must be a task name, "
-                                   f"got {entry.task!r}")
+    """Every field checked, or a coded error (PGJ-601..604, PGJ-103 for a queue name) naming
+    the mistake; used by ``pgjobs schedule add``, by the scheduler at start for the app's
+    beat_schedule, and for every stored entry the leader loads. Checked like a publish: what
+    would fail every fire (a priority out of range, a task name with control characters, a
+    NUL the table cannot hold) fails here, once."""
+    name = check_entry_name(entry.name)
+    if not isinstance(entry.task, str) or not 1 <= len(entry.task) <= 200 or \
+            _control(entry.task):
+        raise InvalidScheduleEntry(f"entry {name!r}: task must be a task name (1-200 "
+                                   f"characters without control characters), got "
+                                   f"{entry.task!r:.80}")
     if entry.timezone is not None:
         zone(entry.timezone)
     parse_schedule(entry.schedule, entry.timezone or "UTC")
     check_catch_up(entry.catch_up, entry.catch_up_max)
-    _json("args", entry.args, list)
-    _json("kwargs", entry.kwargs, dict)
-    _json("options", entry.options, dict)
+    _json(name, "args", entry.args, list)
+    _json(name, "kwargs", entry.kwargs, dict)
+    if not all(isinstance(k, str) for k in entry.kwargs):
+        raise InvalidScheduleEntry(f"entry {name!r}: kwargs keys must be strings (argument "
+                                   "names)")
+    _json(name, "options", entry.options, dict)
+    _check_options(name, entry.options)
     return entry
 
 
