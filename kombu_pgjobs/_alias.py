@@ -42,11 +42,27 @@ def _teach_host_lists() -> None:
     def parse(url: str) -> Any:
         scheme, sep, rest = url.partition("://")
         if scheme == ALIAS and sep:
+            # a password with an unescaped / ? or # would be read as host and port, and
+            # kombu's ValueError would quote it ("Port could not be cast ... as 'pa'")
+            from .url import check_userinfo
+
+            check_userinfo(url)
             netloc = re.split(r"[/?#]", rest, maxsplit=1)[0]
             userinfo, at, hosts = netloc.rpartition("@")
-            if "," in hosts:
-                parts = original(f"{scheme}://{userinfo}{at}localhost{rest[len(netloc):]}")
-                return parts._replace(hostname=unquote(hosts), port=None)
+            try:
+                if "," in hosts:
+                    parts = original(f"{scheme}://{userinfo}{at}localhost{rest[len(netloc):]}")
+                    return parts._replace(hostname=unquote(hosts), port=None)
+                return original(url)
+            except ValueError as exc:
+                if "netloc" not in str(exc):  # a port that is not a number: no secret in it
+                    raise
+                from .errors import InvalidURL  # urllib's text quotes the netloc, password too
+                from .url import masked
+
+                raise InvalidURL(f"broker URL {masked(url)!r} is malformed: its user, password "
+                                 "or host holds characters a URL cannot have (percent-encode "
+                                 "the password)") from None
         return original(url)
 
     parse.pgjobs_hosts = True  # type: ignore[attr-defined]

@@ -34,11 +34,12 @@ from .database import connect, conninfo_from_url
 from .errors import (
     ConfigurationError,
     InvalidArgument,
+    InvalidName,
     InvalidShardMap,
     PgJobsError,
     UsageError,
 )
-from .options import TransportOptions
+from .options import TransportOptions, validate_schema_name
 from .schema import current_version, latest_version, migrate
 from .shardmap import DEFAULT as SHARD_DEFAULT
 from .shardmap import ShardMap, shard_label
@@ -278,6 +279,7 @@ def _pretty(value: Any) -> str:
 # -- commands ------------------------------------------------------------------------------
 def cmd_migrate(args: argparse.Namespace) -> dict[str, Any]:
     """Install or upgrade the schema (idempotent; safe to run from many hosts at once)."""
+    validate_schema_name(args.schema)  # before connecting: a bad name is bad input (2), not 3
     results = []
     for shard, one in _each_shard(args):
         with connect(_dsn(one)) as conn:
@@ -704,6 +706,9 @@ def _shards_arg(p: argparse.ArgumentParser) -> None:
 
 def _resolve(args: argparse.Namespace) -> argparse.Namespace:
     args.dsn = getattr(args, "dsn", None)
+    if getattr(args, "schema", None) == "":  # `migrate --schema ''` migrated 'pgjobs'
+        raise InvalidName("--schema is empty: name the schema (1-48 characters of a-z, 0-9 "
+                          "and _), or leave the option out for $PGJOBS_SCHEMA or 'pgjobs'")
     args.schema = getattr(args, "schema", None) or os.environ.get("PGJOBS_SCHEMA", "pgjobs")
     args.json = getattr(args, "json", False)
     return args

@@ -31,12 +31,13 @@ from .errors import (
     InvalidIdempotencyKey,
     InvalidTenant,
     MessageError,
+    MessageTooLarge,
     TenantQueueFull,
 )
 from .events import log_event
 from .limits import LIMITS_HEADER, check_cap, check_key
 from .limits import normalise as normalise_limits
-from .options import validate_queue_name, validate_schema_name
+from .options import DEFAULT_MAX_MESSAGE_BYTES, validate_queue_name, validate_schema_name
 from .sql import positional, queries, raw_queries, text_params, with_limit
 
 __all__ = [
@@ -229,15 +230,40 @@ def _number(name: str, value: Any, *, minimum: float, maximum: float) -> float:
 _ESCAPE = re.compile(r"\\ud[89ab][0-9a-f]{2}\\ud[c-f][0-9a-f]{2}|\\(ud[89a-f][0-9a-f]{2})|\\.")
 
 
-def _message_json(message: Mapping[str, Any]) -> str:
+def nul_path(value: Any, path: str = "") -> str | None:
+    """Where the first NUL of a JSON-ready value is (``headers['a'][0]``, a key included), or
+    None: for the error message, so the publisher can find it."""
+    if isinstance(value, str):
+        return (path or "the value") if "\x00" in value else None
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            if isinstance(k, str) and "\x00" in k:
+                return f"a key of {path or 'the message'}"
+            found = nul_path(v, f"{path}[{k!r}]" if path else str(k))
+            if found is not None:
+                return found
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            found = nul_path(v, f"{path}[{i}]")
+            if found is not None:
+                return found
+    return None
+
+
+def _message_json(message: Mapping[str, Any],
+                  max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> str:
     """The message as compact JSON that PostgreSQL's ``json`` accepts and every reader can
     decode, or MessageError (PGJ-106) before anything is sent.
 
     Refused: NaN and Infinity (not JSON; the INSERT would fail at the server, and with
     confirm_publish=False only at the next publish), nesting too deep to encode (RecursionError),
-    and lone surrogates (stored, they make ``->>`` and every UTF-8 reader fail). A NUL is
-    valid JSON (``\\u0000``) and is kept. The surrogate check costs one substring search unless
-    the text has a ``\\ud8``-``\\udf`` escape (astral characters, some Hangul)."""
+    lone surrogates (stored, they make ``->>`` and every UTF-8 reader fail), and NUL anywhere
+    (a header's key or value, the task name or id): valid JSON (``\\u0000``) that the ``json``
+    column stores, but PostgreSQL text cannot hold it, so every ``message -> 'headers' ->> ...``
+    over the row would fail (``pgjobs cancel --task-id``, dead letters, the dashboard). Also
+    refused, with MessageTooLarge (PGJ-110): text longer than ``max_bytes`` (the JSON is ASCII,
+    ``ensure_ascii``: its length is its size in bytes). The surrogate and NUL checks cost one
+    substring search each unless the text has such an escape."""
     try:
         text = json.dumps(message, separators=(",", ":"), allow_nan=False)
     except RecursionError:
@@ -253,11 +279,25 @@ def _message_json(message: Mapping[str, Any]) -> str:
                 raise MessageError(
                     f"message has a lone surrogate (\\{m.group(1)}) in a string: not valid "
                     "Unicode; decode bytes with errors='replace' or send them base64-encoded")
+    if "\\u0000" in text:  # or an escaped backslash before "u0000": the walk tells
+        where = nul_path(message)
+        if where is not None:
+            raise MessageError(
+                f"message has a NUL character (\\x00) in {where}: PostgreSQL text cannot hold "
+                "it (the task name, id and headers are read as text); remove it, or send "
+                "binary data base64-encoded")
+    if len(text) > max_bytes:
+        raise MessageTooLarge(
+            f"message is {len(text):,} bytes as stored, more than max_message_bytes "
+            f"({max_bytes:,}): nothing was written. Keep large data in the app's tables (or "
+            "object storage) and send its key, or raise the max_message_bytes transport option")
     return text
 
 
-def job_from_message(queue: str, message: Mapping[str, Any]) -> NewJob:
-    """Validate a kombu message and derive its columns; raise MessageError on bad input."""
+def job_from_message(queue: str, message: Mapping[str, Any], *,
+                     max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> NewJob:
+    """Validate a kombu message and derive its columns; raise MessageError on bad input
+    (MessageTooLarge past ``max_bytes``, the ``max_message_bytes`` transport option)."""
     validate_queue_name(queue)
     props = message.get("properties") or {}
     headers = message.get("headers") or {}
@@ -292,7 +332,7 @@ def job_from_message(queue: str, message: Mapping[str, Any]) -> NewJob:
     if key is not None or max_queued is not None:
         raw_id = headers.get("id", props.get("correlation_id"))
         task_id = raw_id if isinstance(raw_id, str) else None
-    text = _message_json(message)
+    text = _message_json(message, max_bytes)
     return NewJob(queue, priority, _parse_eta(headers.get("eta")), ttl_ms, max_attempts,
                   task if isinstance(task, str) else None, text, limits, tenant, key,
                   max_queued, task_id)

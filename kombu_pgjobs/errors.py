@@ -45,6 +45,7 @@ __all__ = [
     "InvalidWebhookSetting",
     "KeyBusy",
     "MessageError",
+    "MessageTooLarge",
     "MigrationError",
     "NotFound",
     "NotInTransaction",
@@ -149,6 +150,13 @@ class InvalidSSL(ConfigurationError):
     cert_reqs/ca_certs/certfile/keyfile."""
 
     code = "PGJ-109"
+
+
+class MessageTooLarge(MessageError):
+    """A message is larger than the ``max_message_bytes`` transport option allows: nothing was
+    written. Keep large data in the app's tables (or object storage) and send its key."""
+
+    code = "PGJ-110"
 
 
 class InvalidLimit(PgJobsError):

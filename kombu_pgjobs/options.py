@@ -16,6 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+import psycopg
+
 from .errors import InvalidName, InvalidOption
 from .shardmap import ShardMap
 from .shardmap import parse as parse_shard_map
@@ -47,6 +49,12 @@ MAX_ROUTING_KEY = 255  # AMQP's shortstr bound, what a RabbitMQ app already resp
 #: (x-max-priority) columns of pgjobs_queue.
 MAX_QUEUE_MS = 2**31 - 1  # about 24.8 days
 MAX_QUEUE_PRIORITY = 255  # RabbitMQ's own limit; pgjobs runs 0-9 whatever is declared
+#: max_message_bytes's default: far above any task message (arguments belong in the app's
+#: tables, not in the queue), far below what a ``json`` column or a pipelined INSERT can hold.
+DEFAULT_MAX_MESSAGE_BYTES = 8 * 1024 * 1024
+#: connect_options keys libpq knows (an unknown one used to fail at connect with psycopg's
+#: uncoded ProgrammingError)
+LIBPQ_KEYWORDS = frozenset(d.keyword.decode() for d in psycopg.pq.Conninfo.get_defaults())
 
 
 class UnknownOptionWarning(UserWarning):
@@ -116,6 +124,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("statement_timeout", 60.0, float, 0.0, 86400.0,
            "Seconds any statement may run before it fails with DatabaseTimeout (PGJ-108). "
            "0: no limit. Migrations lift it; the keeper's vacuum has its own, shorter one."),
+    Option("max_message_bytes", DEFAULT_MAX_MESSAGE_BYTES, int, 1024, 512 * 1024 * 1024,
+           "Largest message a publish accepts, in bytes of its stored JSON (body, headers and "
+           "properties; the outbox: body, headers and properties as staged). A larger one is "
+           "refused with MessageTooLarge (PGJ-110) and nothing is written."),
     Option("connect_options", None, dict,
            doc="Extra libpq connection parameters, e.g. {'sslrootcert': '/etc/ca.pem'} or "
                "{'keepalives_idle': '30'}."),
@@ -161,6 +173,26 @@ FOREIGN_OPTIONS: dict[str, str] = {
 }
 
 
+def _shown(raw: Any) -> str:
+    """``repr(raw)`` bounded for an error message (a 5000-digit int cannot even be printed)."""
+    try:
+        text = repr(raw)
+    except ValueError:
+        return f"an integer of {raw.bit_length()} bits"
+    return text if len(text) <= 80 else f"{text[:60]}… ({len(text)} characters)"
+
+
+def _bound(value: float | None) -> str:
+    if value is None:
+        return "any"
+    return f"{value:g}" if value < 1e6 else f"{int(value):,}"
+
+
+#: lock_timeout and statement_timeout are sent in whole milliseconds, and 0 turns the server's
+#: timeout off: a positive value under 1 ms would silently mean "no timeout"
+_MILLISECOND_OPTIONS = ("lock_timeout", "statement_timeout")
+
+
 def _coerce(opt: Option, raw: Any) -> Any:
     if opt.kind is bool:
         if isinstance(raw, bool):
@@ -174,22 +206,32 @@ def _coerce(opt: Option, raw: Any) -> Any:
             raise InvalidOption(f"transport option {opt.name!r} must be a number, got {raw!r}")
         try:
             value = float(raw)
+        except OverflowError:  # an int past float's range: out of every option's range
+            raise InvalidOption(
+                f"transport option {opt.name!r} must be between {_bound(opt.minimum)} and "
+                f"{_bound(opt.maximum)}, got {_shown(raw)}") from None
         except (TypeError, ValueError):
             raise InvalidOption(
-                f"transport option {opt.name!r} must be a number, got {raw!r}") from None
+                f"transport option {opt.name!r} must be a number, got {_shown(raw)}") from None
         if not math.isfinite(value):
-            raise InvalidOption(f"transport option {opt.name!r} must be finite, got {raw!r}")
+            raise InvalidOption(
+                f"transport option {opt.name!r} must be finite, got {_shown(raw)}")
         if opt.kind is int:
             if value != int(value):
                 raise InvalidOption(
-                    f"transport option {opt.name!r} must be a whole number, got {raw!r}")
+                    f"transport option {opt.name!r} must be a whole number, got {_shown(raw)}")
             value = int(value)
         if (opt.minimum is not None and value < opt.minimum) or (
             opt.maximum is not None and value > opt.maximum
         ):
             raise InvalidOption(
-                f"transport option {opt.name!r} must be between {opt.minimum:g} and "
-                f"{opt.maximum:g}, got {raw!r}")
+                f"transport option {opt.name!r} must be between {_bound(opt.minimum)} and "
+                f"{_bound(opt.maximum)}, got {_shown(raw)}")
+        if opt.name in _MILLISECOND_OPTIONS and 0 < value < 0.001:
+            raise InvalidOption(
+                f"transport option {opt.name!r} must be 0 (no timeout) or at least 0.001 "
+                f"(1 ms, the server's unit), got {_shown(raw)}: under 1 ms it would round to "
+                "0, which turns the timeout off")
         return value
     if opt.name == "shards":
         return parse_shard_map(raw)  # its own codes: PGJ-230..232
@@ -226,7 +268,9 @@ class TransportOptions:
     connect_timeout: float = 10.0
     lock_timeout: float = 10.0
     statement_timeout: float = 60.0
-    connect_options: dict[str, str] | None = field(default=None, hash=False)
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    #: may hold a password: never in a repr (a log line, a traceback's locals)
+    connect_options: dict[str, str] | None = field(default=None, hash=False, repr=False)
     application_name: str = "pgjobs"
     embedded_data_dir: str | None = None
     shards: ShardMap | None = None
@@ -273,6 +317,12 @@ def _check_connect_options(extra: Mapping[str, str]) -> None:
     option to use instead (a duplicate keyword used to end a worker with a TypeError). URL parts
     (host, port, user, password, dbname) are merged when the URL leaves them out: see
     :func:`kombu_pgjobs.database.conninfo_from_parts`."""
+    unknown = sorted(str(k) for k in extra if k not in LIBPQ_KEYWORDS)
+    if unknown:
+        raise InvalidOption(
+            f"connect_options has keys libpq does not know: {', '.join(map(_shown, unknown))}"
+            " (see libpq's connection parameters, e.g. sslrootcert, keepalives_idle, "
+            "target_session_attrs)")
     for key, option in (("connect_timeout", "connect_timeout"),
                         ("application_name", "application_name")):
         if key in extra:

@@ -42,14 +42,17 @@ from psycopg import sql
 from psycopg.pq import TransactionStatus
 from psycopg.rows import tuple_row
 
+from .core import nul_path
 from .errors import (
+    MessageError,
+    MessageTooLarge,
     NotInTransaction,
     OutboxBypassed,
     OutboxNotInstalled,
     OutboxUnserializable,
     UnsupportedConnection,
 )
-from .options import validate_schema_name
+from .options import TransportOptions, validate_schema_name
 from .sql import queries, raw_queries
 
 if TYPE_CHECKING:
@@ -262,6 +265,41 @@ def _json(value: Any, what: str) -> str:
         ) from None
 
 
+def _max_bytes(producer: Any) -> int:
+    """The broker's ``max_message_bytes``: a pgjobs transport's own option; for another
+    broker, the same transport option if given (validated alike), else the default."""
+    from .transport import Transport  # the transport imports this module
+
+    connection = producer.connection
+    transport = connection.transport
+    if isinstance(transport, Transport):
+        return transport.options.max_message_bytes
+    raw = (connection.transport_options or {}).get("max_message_bytes")
+    return TransportOptions.parse({} if raw is None else {"max_message_bytes": raw},
+                                  warn=False).max_message_bytes
+
+
+def _check_staged(row: StagedRow, hdrs: Mapping[str, Any], props: Mapping[str, Any],
+                  max_bytes: int) -> None:
+    """What the transport refuses at publish, refused at staging too (nothing written): a NUL
+    in a header or property (the outbox's jsonb columns cannot hold one: the app's transaction
+    would fail with a driver error) and a message larger than ``max_message_bytes``."""
+    if "\\u0000" in row.headers or "\\u0000" in row.properties:
+        where = nul_path(hdrs, "headers") or nul_path(props, "properties")
+        if where is not None:
+            raise MessageError(
+                f"message has a NUL character (\\x00) in {where}: PostgreSQL text cannot "
+                "hold it (the task name, id and headers are read as text); remove it. Nothing "
+                "was written")
+    size = len(row.body) + len(row.headers) + len(row.properties)
+    if size > max_bytes:
+        raise MessageTooLarge(
+            f"message is {size:,} bytes as staged (body, headers and properties), more than "
+            f"max_message_bytes ({max_bytes:,}): nothing was written. Keep large data in the "
+            "app's tables (or object storage) and send its key, or raise the broker's "
+            "max_message_bytes transport option")
+
+
 @dataclass(frozen=True, slots=True)
 class StagedRow:
     exchange: str
@@ -298,10 +336,12 @@ def _staged_row(producer: Any, body: Any, *, routing_key: str | None = None,
     entities = list(declare or ())
     if producer.auto_declare and producer.exchange.name and producer.exchange not in entities:
         entities.append(producer.exchange)
-    return StagedRow(exchange_name or "", rkey or "",
-                     data.encode(cenc) if isinstance(data, str) else bytes(data), ctype, cenc,
-                     _json(hdrs, "headers"), _json(props, "properties"),
-                     _json([_entity(e) for e in entities], "declare entities"))
+    row = StagedRow(exchange_name or "", rkey or "",
+                    data.encode(cenc) if isinstance(data, str) else bytes(data), ctype, cenc,
+                    _json(hdrs, "headers"), _json(props, "properties"),
+                    _json([_entity(e) for e in entities], "declare entities"))
+    _check_staged(row, hdrs, props, _max_bytes(producer))
+    return row
 
 
 def stage(block: Block, rows: Sequence[StagedRow]) -> list[int]:

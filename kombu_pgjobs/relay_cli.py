@@ -1,12 +1,20 @@
 """``pgjobs relay`` and ``pgjobs outbox``: the outbox relay and its table, from the CLI.
 
 Registered by :func:`kombu_pgjobs.cli.build_parser` (one call); the commands live here.
+
+The relay's two secrets, the broker URL and the app database's DSN, need never be on its
+command line (where ``ps`` and ``/proc/PID/cmdline`` show them to every user of the host):
+``--broker-file``/``$PGJOBS_RELAY_BROKER_FILE`` or ``$PGJOBS_RELAY_BROKER`` for the broker,
+``--dsn-file``/``$PGJOBS_DSN_FILE`` or ``$PGJOBS_DSN`` for the database (a file holds the URL
+alone; surrounding whitespace and the final newline are ignored, as in a Docker or Kubernetes
+secret).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import threading
 import time
@@ -15,7 +23,7 @@ from typing import Any
 
 from .admin import parse_duration
 from .database import connect
-from .errors import InvalidArgument
+from .errors import ConfigurationError, InvalidArgument
 from .options import validate_schema_name
 from .relay import Relay
 from .sql import queries
@@ -24,6 +32,72 @@ __all__ = ["register"]
 
 #: published rows kept by default before `pgjobs outbox prune` deletes them
 DEFAULT_RETENTION = "1d"
+#: where the relay's broker URL may come from besides --broker / --broker-file, in order
+BROKER_ENV = "PGJOBS_RELAY_BROKER"
+BROKER_FILE_ENV = "PGJOBS_RELAY_BROKER_FILE"
+#: a file holding the app database's DSN (after --dsn-file, --dsn and the DSN variables)
+DSN_FILE_ENV = "PGJOBS_DSN_FILE"
+#: the variables the CLI reads a DSN from (kombu_pgjobs.cli.DSN_ENV, not imported: a cycle)
+_DSN_ENV = ("PGJOBS_DSN", "CELERY_BROKER_URL", "BROKER_URL")
+
+
+def read_secret(path: str, what: str) -> str:
+    """The URL a secret file holds (whitespace around it dropped). Errors name the file and
+    the reason, never its content."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read(65_536).strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = getattr(exc, "strerror", None) or type(exc).__name__
+        raise ConfigurationError(f"cannot read the {what} from {path!r}: {reason}") from None
+    if not text:
+        raise ConfigurationError(f"the {what} file {path!r} is empty")
+    if any(c in text for c in "\r\n\x00"):
+        raise ConfigurationError(f"the {what} file {path!r} holds more than one line: put "
+                                 "the URL alone in it")
+    return text
+
+
+def _broker(args: argparse.Namespace) -> str:
+    """--broker, --broker-file, $PGJOBS_RELAY_BROKER, $PGJOBS_RELAY_BROKER_FILE: the first
+    given."""
+    if args.broker:
+        return str(args.broker)
+    if args.broker_file:
+        return read_secret(args.broker_file, "broker URL")
+    if os.environ.get(BROKER_ENV):
+        return os.environ[BROKER_ENV]
+    if os.environ.get(BROKER_FILE_ENV):
+        return read_secret(os.environ[BROKER_FILE_ENV], "broker URL")
+    raise ConfigurationError(
+        f"no broker given: pass --broker URL or --broker-file PATH, or set ${BROKER_ENV} or "
+        f"${BROKER_FILE_ENV} (the environment and files keep the URL's password out of the "
+        "process list)")
+
+
+def _dsn_from_file(args: argparse.Namespace) -> None:
+    """--dsn-file (before the DSN variables) or $PGJOBS_DSN_FILE (after them) into args.dsn."""
+    if args.dsn:
+        return
+    if args.dsn_file:
+        args.dsn = read_secret(args.dsn_file, "database URL")
+    elif os.environ.get(DSN_FILE_ENV) and not any(os.environ.get(v) for v in _DSN_ENV):
+        args.dsn = read_secret(os.environ[DSN_FILE_ENV], "database URL")
+
+
+def _transport_options(text: str | None) -> dict[str, Any] | None:
+    if not text:
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError as exc:  # the text is not echoed: it may hold a password
+        raise InvalidArgument(f"--transport-options is not JSON ({exc.msg} at character "
+                              f"{exc.pos}): pass a JSON object, e.g. "
+                              "'{\"visibility_timeout\": 3600}'") from None
+    if not isinstance(value, dict):
+        raise InvalidArgument(f"--transport-options must be a JSON object, got a "
+                              f"{type(value).__name__}")
+    return value
 
 
 def _number(text: str, what: str, low: float) -> float:
@@ -42,13 +116,14 @@ def cmd_relay(args: argparse.Namespace) -> None:
     from .cli import _dsn  # the CLI's one way to read --dsn and its environment
 
     schema = validate_schema_name(args.schema)
-    relay = Relay(_dsn(args), args.broker, schema=schema,
+    _dsn_from_file(args)
+    options = _transport_options(args.transport_options)
+    relay = Relay(_dsn(args), _broker(args), schema=schema,
                   batch=int(_number(args.batch, "batch", 1)),
                   lease_ttl=_number(args.lease_ttl, "lease-ttl", 1),
                   poll_interval=_number(args.poll_interval, "poll-interval", 0.01),
                   retry_delay=_number(args.retry_delay, "retry-delay", 0),
-                  transport_options=json.loads(args.transport_options)
-                  if args.transport_options else None)
+                  transport_options=options)
     retention = parse_duration(args.prune_after) if args.prune_after else None
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -149,8 +224,15 @@ def register(sub: Any, common: argparse.ArgumentParser,
     func, render = _pruning(prune.get_default("func"), prune.get_default("render"))
     prune.set_defaults(func=func, render=render)
     p = add(sub, "relay", cmd_relay, str, common)
-    p.add_argument("--broker", required=True, metavar="URL",
-                   help="the broker to publish to (redis://, amqp://, pgjobs://)")
+    p.add_argument("--broker", metavar="URL",
+                   help="the broker to publish to (redis://, amqp://, pgjobs://); default: "
+                        f"--broker-file, ${BROKER_ENV}, ${BROKER_FILE_ENV}")
+    p.add_argument("--broker-file", metavar="PATH",
+                   help="a file holding the broker URL (keeps its password off the command "
+                        "line)")
+    p.add_argument("--dsn-file", metavar="PATH",
+                   help="a file holding the app database's URL, read when --dsn is not given "
+                        f"(before $PGJOBS_DSN; ${DSN_FILE_ENV} after it)")
     p.add_argument("--batch", default="100", help="rows claimed and published per round "
                    "(default 100; bounds the duplicates a crashed relay can cause)")
     p.add_argument("--lease-ttl", default="30", metavar="SECONDS",

@@ -178,11 +178,14 @@ class Channel(virtual.Channel):
 
     # -- publish -------------------------------------------------------------------------
     def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
-        self.backend_of(queue).publish(job_from_message(queue, message))
+        backend = self.backend_of(queue)
+        backend.publish(job_from_message(queue, message,
+                                         max_bytes=backend.options.max_message_bytes))
 
     def _put_fanout(self, exchange: str, message: dict[str, Any], routing_key: str,
                     **kwargs: Any) -> None:
-        job = job_from_message(exchange, message)
+        job = job_from_message(exchange, message,
+                               max_bytes=self.backend.options.max_message_bytes)
         revoked = revoked_task_ids(exchange, message)
         shards = self.shards
         queues = {q for _, _, q in self.get_table(exchange)} if shards is not None else ()

@@ -12,16 +12,24 @@ kombu's own URL parser reads one port per URL; for a pgjobs URL that lists hosts
 (``_alias.py``) to hand the list over whole as the hostname, which the transport splits with
 :func:`host_list`; one-host URLs are kombu's to parse, as for every transport. The CLI and tools
 parse with :func:`parse`. :func:`masked` hides a password for messages.
+
+No error says any part of a password. A password holding an unescaped ``/``, ``?`` or ``#``
+ends the URL's host part early (``pgjobs://app:pa/ss@db/x`` reads as host ``app``, port
+``pa``), so an error about "the host" or "the port" would quote a piece of it: such a URL (an
+``@`` after the end of the host part) is refused as a whole, before its parts are read, with
+the advice to percent-encode the password (:func:`check_userinfo`; kombu's own parser is
+guarded the same way for pgjobs URLs, see ``_alias.py``).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from urllib.parse import quote, unquote, urlsplit
 
 from .errors import InvalidURL
 
-__all__ = ["SCHEMES", "BrokerURL", "host_list", "masked", "parse"]
+__all__ = ["SCHEMES", "BrokerURL", "check_userinfo", "host_list", "masked", "parse"]
 
 SCHEMES = ("pgjobs", "postgres", "postgresql")
 
@@ -50,6 +58,25 @@ class BrokerURL:
         if len(ports) == 1:
             return str(ports[0])
         return ",".join(str(p or 5432) for p in ports)
+
+
+#: libpq's ``password=`` URI parameter (and conninfo keyword), quoted or not
+_PASSWORD_PARAM = re.compile(r"(?i)(\bpassword\s*=\s*)('(?:[^'\\]|\\.)*'?|[^&#\s]*)")
+
+
+def check_userinfo(url: str) -> None:
+    """InvalidURL (``PGJ-101``) when an ``@`` comes after the end of the URL's host part (the
+    first ``/``, ``?`` or ``#`` after ``://``): a user name or password holding one of those
+    unescaped, which would otherwise be read as host, port or path, and quoted in errors."""
+    rest = url.partition("://")[2]
+    end = min((i for i in (rest.find("/"), rest.find("?"), rest.find("#")) if i >= 0),
+              default=len(rest))
+    if "@" in rest[end:]:
+        raise InvalidURL(
+            f"broker URL {masked(url)!r} is malformed: its user name or password holds an "
+            "unescaped '/', '?', '#' or '@' (or an '@' follows the host part): percent-encode "
+            "them, e.g. urllib.parse.quote(password, safe='') ('/' is %2F, '?' %3F, '#' %23, "
+            "'@' %40)")
 
 
 def _fail(url: str, why: str) -> InvalidURL:
@@ -89,12 +116,15 @@ def host_list(text: str, url: str | None = None) -> tuple[tuple[str, int | None]
 def parse(url: str) -> BrokerURL:
     """Split a broker URL; :class:`~kombu_pgjobs.errors.InvalidURL` (``PGJ-101``) when it
     is not one."""
-    if not isinstance(url, str) or "://" not in url:
-        raise InvalidURL(f"not a broker URL: {url!r}: use pgjobs://user@host:port/database")
+    if not isinstance(url, str) or "://" not in url:  # not echoed: it may be all password
+        raise InvalidURL(f"not a broker URL ({type(url).__name__} without scheme://): use "
+                         "pgjobs://user@host:port/database")
+    check_userinfo(url)
     try:
         parts = urlsplit(url)
-    except ValueError as exc:
-        raise _fail(url, str(exc)) from None
+    except ValueError as exc:  # its text may quote the netloc, password included
+        why = "an unclosed '['" if "IPv6" in str(exc) else "characters a URL cannot hold"
+        raise _fail(url, why) from None
     if parts.scheme not in SCHEMES:
         raise InvalidURL(f"URL scheme {parts.scheme!r} is not pgjobs:// or postgresql://")
     userinfo, at, hostlist = parts.netloc.rpartition("@")
@@ -111,15 +141,23 @@ def parse(url: str) -> BrokerURL:
 
 def masked(url: str, mask: str = "**") -> str:
     """``url`` with its password replaced by ``mask`` (the URL as given when it has none);
-    never raises, so it is safe in an error message about a malformed URL."""
-    if not isinstance(url, str) or "://" not in url:
+    never raises, so it is safe in an error message about a malformed URL.
+
+    The user information runs to the *last* ``@`` of the URL, not to the end of the host
+    part: a password may hold an unescaped ``/``, ``?``, ``#`` or ``@``, and none of it may
+    show (a URL with an ``@`` in its query loses its host to the mask: a secret never shows).
+    A ``password=`` parameter is masked too; text without ``://`` loses what precedes its
+    last ``@``."""
+    if not isinstance(url, str):
         return url
-    scheme, _, rest = url.partition("://")
-    netloc_end = min((i for i in (rest.find("/"), rest.find("?"), rest.find("#")) if i >= 0),
-                     default=len(rest))
-    netloc, tail = rest[:netloc_end], rest[netloc_end:]
-    userinfo, at, hostlist = netloc.rpartition("@")
-    if not at or ":" not in userinfo:
-        return url
-    name = userinfo.partition(":")[0]
-    return f"{scheme}://{name}:{quote(mask, safe='*')}@{hostlist}{tail}"
+    text = _PASSWORD_PARAM.sub(lambda m: m.group(1) + mask, url)
+    scheme, sep, rest = text.partition("://")
+    userinfo, at, tail = (rest if sep else text).rpartition("@")
+    if not at:
+        return text
+    if not sep:
+        return f"{mask}@{tail}"
+    name, colon, _ = userinfo.partition(":")
+    if not colon:
+        return text
+    return f"{scheme}://{name}:{quote(mask, safe='*')}@{tail}"
