@@ -831,6 +831,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_schedule_commands(sub, common)
     from .dashboard.command import register as register_dashboard  # argparse only, no web
     register_dashboard(sub, common)
+    from .roles import register as register_roles  # `roles` (issue 28)
+    register_roles(sub, common, _add)
     return parser
 
 
