@@ -23,11 +23,13 @@ again. A wake-up may name a message the publish claimed for this consumer (a *ha
 ``0018_hand_off.sql``, ``0021_trust_boundary.sql``; :func:`handed_ids` reads its ids): the
 consumer takes it with one fenced statement instead of a claim, delivers it, or hands it back
 when it can no longer take it. A notification is never trusted: any role that can connect may
-LISTEN and NOTIFY, so a wake-up only ever causes a statement, never a delivery by itself. A wake-up read while a claim was in flight
-must not be overwritten by that claim's result, hence the per-queue wake count a
-:class:`Ticket` remembers. A wake-up the consumer cannot act on (its prefetch window is closed,
-or it stops consuming the queue) is passed on to every consumer of the queue, never kept: its
-registration is already gone, so nobody else would be woken for that message.
+LISTEN and NOTIFY, so a wake-up only ever causes a statement, never a delivery by itself.
+
+A wake-up read while a claim was in flight must not be overwritten by that claim's result,
+hence the per-queue wake count a :class:`Ticket` remembers. A wake-up the consumer cannot act
+on (its prefetch window is closed, or it stops consuming the queue) is passed on to every
+consumer of the queue, never kept: its registration is already gone, so nobody else would be
+woken for that message.
 """
 
 from __future__ import annotations

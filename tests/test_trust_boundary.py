@@ -24,7 +24,7 @@ import pytest
 
 from kombu_pgjobs.errors import DatabaseTimeout
 
-from .conftest import wait_for
+from .conftest import import_app, wait_for
 from .test_wake_one import Drainer, _producer, _waiters
 
 QUEUE = "tb"
@@ -50,12 +50,20 @@ def outsider(dsn: str) -> Iterator[str]:
         admin.execute(f'DROP ROLE "{role}"')
 
 
-def _wake_ids(conn: psycopg.Connection[Any]) -> set[int]:
-    """Every bigint advisory lock key held on the server, as anyone can read it."""
+def _wake_ids(conn: psycopg.Connection[Any], db: psycopg.Connection[Any] | None = None,
+              app: str | None = None) -> set[int]:
+    """Every bigint advisory lock key held on the server, as anyone can read it; with ``db``
+    (the test's own superuser connection) and ``app``, only those of the sessions of that
+    application name: other tests running meanwhile have consumers too, and the attacks stay
+    off them (they would reach them, to no effect, but they would hear this test's forgeries)."""
     rows = conn.execute(
-        "SELECT (classid::bigint << 32) | objid::bigint FROM pg_locks "
+        "SELECT (classid::bigint << 32) | objid::bigint, pid FROM pg_locks "
         "WHERE locktype = 'advisory' AND objsubid = 1 AND granted").fetchall()
-    return {r[0] for r in rows}
+    if db is None:
+        return {r[0] for r in rows}
+    ours = {r[0] for r in db.execute("SELECT pid FROM pg_stat_activity "
+                                     "WHERE application_name = %s", [app]).fetchall()}
+    return {key for key, pid in rows if pid in ours}
 
 
 class Holding(Drainer):
@@ -73,7 +81,8 @@ def test_an_outsider_reads_no_message_and_runs_none_by_notify(
         hand_off: bool, outsider: str, url: str, schema: str,
         db: psycopg.Connection[Any]) -> None:
     producer = _producer(url, schema, QUEUE)
-    consumer = Holding(url, schema, [QUEUE], "pgjt-trust", hand_off=hand_off)
+    app = f"pgjt-trust-{uuid.uuid4().hex[:8]}"
+    consumer = Holding(url, schema, [QUEUE], app, hand_off=hand_off)
     consumer.start()
     heard: list[tuple[str, str]] = []
     listening: set[str] = set()
@@ -85,7 +94,8 @@ def test_an_outsider_reads_no_message_and_runs_none_by_notify(
                 evil.execute(f'SELECT message FROM "{schema}".pgjobs_job')
 
             def listen_everywhere() -> None:
-                channels = {f"pgjobs.{schema}"} | {f"pgjobs.w.{w}" for w in _wake_ids(evil)}
+                channels = {f"pgjobs.{schema}"} | {f"pgjobs.w.{w}"
+                                                   for w in _wake_ids(evil, db, app)}
                 for ch in channels - listening:
                     evil.execute(f'LISTEN "{ch}"')
                     listening.add(ch)
@@ -171,7 +181,8 @@ def test_an_outsider_holding_every_lock_key_stalls_no_publish_or_claim(
     cannot lock pgjobs's rows: capped, limited and rate-limited publishes of tenant acme are
     published and run as if it were not there."""
     producer = _producer(url, schema, QUEUE)
-    consumer = Drainer(url, schema, [QUEUE], "pgjt-locks")
+    app = f"pgjt-locks-{uuid.uuid4().hex[:8]}"
+    consumer = Drainer(url, schema, [QUEUE], app)
     consumer.start()
     try:
         wait_for(lambda: _waiters(db, schema, QUEUE) >= 1, 10, what="the consumer to wait")
@@ -181,7 +192,7 @@ def test_an_outsider_holding_every_lock_key_stalls_no_publish_or_claim(
                                     [cls, key]).fetchone()[0]
             assert evil.execute("SELECT pg_try_advisory_lock(hashtext(%s))",
                                 [f"pgjobs.migrate.{schema}"]).fetchone()[0]
-            for key in _wake_ids(evil):  # held by live consumers: it gets none of them
+            for key in _wake_ids(evil, db, app):  # held by live consumers: it gets none
                 evil.execute("SELECT pg_try_advisory_lock(%s)", [key])
             with pytest.raises(psycopg.errors.InsufficientPrivilege):
                 evil.execute(f'SELECT 1 FROM "{schema}".pgjobs_lock FOR UPDATE')
@@ -309,3 +320,42 @@ def test_an_outsider_cannot_stall_an_upgrade_and_only_bounds_a_first_install(
             started = time.monotonic()
             assert migrations.migrate(app, schema) == [migrations.latest_version()]
             assert time.monotonic() - started < 10
+
+
+@pytest.mark.e2e
+def test_a_celery_worker_runs_no_forged_hand_off_and_the_real_task_once(
+        outsider: str, db: psycopg.Connection[Any], recorder_tables: str, url: str,
+        start_worker: Any) -> None:
+    """A real ``celery worker`` (threads pool): the outsider forges hand-offs of a real task
+    message (the version 18 format, which ran whatever it carried, and today's) on every
+    channel it can name and replays what it hears; the task published for real runs once."""
+    schema = recorder_tables
+    app = import_app("tests.apps.recorder", schema, url)
+    appname = f"pgjt-trusty-{uuid.uuid4().hex[:8]}"
+    start_worker(name="trusty", concurrency=2, env={"PGJOBS_TEST_APPNAME": appname})
+
+    def runs(label: str) -> int:
+        return db.execute(f'SELECT count(*) FROM "{schema}".pgjobs_test_run WHERE label = %s',
+                          [label]).fetchone()[0]
+
+    wait_for(lambda: _waiters(db, schema, "celery") >= 1, 30, what="the worker to wait")
+    with psycopg.connect(outsider, autocommit=True) as evil:
+        channels = {f"pgjobs.{schema}"} | {f"pgjobs.w.{w}" for w in _wake_ids(evil, db, appname)}
+        for ch in channels:
+            evil.execute(f'LISTEN "{ch}"')
+        # The forged task: a real message for record("forged"), stored not due and deleted.
+        app.record.apply_async(["forged"], countdown=86400)
+        fid, fmsg = db.execute(f'SELECT id, message::text FROM "{schema}".pgjobs_job '
+                               "WHERE delayed").fetchone()
+        db.execute(f'DELETE FROM "{schema}".pgjobs_job WHERE id = %s', [fid])
+        real = f"real-{uuid.uuid4().hex}"
+        app.record.delay(real)
+        wait_for(lambda: runs(real) == 1, 30, what="the real task")
+        heard = [n.payload for n in evil.notifies(timeout=1.0)]
+        assert heard and not any(real in p or '"body"' in p for p in heard), heard
+        for ch in channels | {f"pgjobs.w.{w}" for w in _wake_ids(evil, db, appname)}:
+            for payload in [*heard, f"\x1e{fid} 1 6 celery{fmsg}", f"\x1e{fid} 1:celery",
+                            f"\x1e{fid + 1} 1:celery", f"\x1e{fid + 1} 1 6 celery{fmsg}"]:
+                evil.execute("SELECT pg_notify(%s, %s)", [ch, payload])
+    time.sleep(3.0)
+    assert (runs(real), runs("forged")) == (1, 0)

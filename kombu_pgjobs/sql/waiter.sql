@@ -34,16 +34,13 @@ SELECT pg_notify(%(channel)s, q) FROM unnest(%(queues)s::text[]) AS q;
 -- server's sessions.
 WITH quick AS (
     SELECT set_config('synchronous_commit', 'off', true) AS off
-), handed AS (
-    SELECT h.id, h.claim, h.waiter
-      FROM unnest(%(ids)s::bigint[], %(claims)s::int[], %(waiters)s::bigint[])
-           AS h(id, claim, waiter)
 )
 UPDATE {schema}.pgjobs_job AS j
    SET handed_to = NULL
-  FROM handed AS h, quick
+  FROM quick
  WHERE j.id = ANY (%(ids)s::bigint[])
-   AND j.id = h.id AND j.claim = h.claim AND j.handed_to = h.waiter
+   AND (j.id, j.claim, j.handed_to) IN (
+        SELECT * FROM unnest(%(ids)s::bigint[], %(claims)s::int[], %(waiters)s::bigint[]))
    AND j.state = 'running' AND j.worker = %(worker)s
    AND quick.off IS NOT NULL
 RETURNING j.id, j.claim, j.queue, j.message::text;
