@@ -27,7 +27,9 @@ operator roles get ``SELECT`` on every other column of that table (column privil
 from __future__ import annotations
 
 import argparse
+import random
 import re
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -420,11 +422,30 @@ def as_text(stmts: list[Statement], conn: psycopg.Connection[Any] | None = None)
     return "\n".join(lines)
 
 
+#: Tries of the whole transaction when another session changed the same catalog rows at the
+#: same moment (two deploys applying at once: GRANT ON DATABASE and CREATE ROLE race).
+APPLY_TRIES = 5
+
+
+def _catalog_race(exc: psycopg.Error) -> bool:
+    return (isinstance(exc, psycopg.errors.UniqueViolation | psycopg.errors.DuplicateObject)
+            or (exc.sqlstate == "XX000" and "concurrently" in str(exc)))
+
+
 def apply(conn: psycopg.Connection[Any], stmts: list[Statement]) -> None:
-    """Run ``stmts`` in one transaction."""
-    with conn.transaction():
-        for st in stmts:
-            conn.execute(st.query, prepare=False)
+    """Run ``stmts`` in one transaction; again, after a short pause, when it lost a race for
+    a catalog row to another session applying at the same time (PostgreSQL answers that with
+    "tuple concurrently updated" rather than waiting)."""
+    for attempt in range(1, APPLY_TRIES + 1):
+        try:
+            with conn.transaction():
+                for st in stmts:
+                    conn.execute(st.query, prepare=False)
+            return
+        except psycopg.Error as exc:
+            if attempt == APPLY_TRIES or not _catalog_race(exc):
+                raise
+            time.sleep(random.uniform(0.05, 0.2) * attempt)
 
 
 # -- the command ---------------------------------------------------------------------------

@@ -98,10 +98,18 @@ def _drop_roles(db: psycopg.Connection[Any], names: list[str]) -> None:
     # this test's own sessions (the pools of the publisher, the dashboard, a worker's leftovers)
     db.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
                "WHERE usename = ANY(%s) AND pid <> pg_backend_pid()", (present,))
-    for name in present:
-        db.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(name)))
-    for name in present:
-        db.execute(sql.SQL("DROP ROLE IF EXISTS {}").format(sql.Identifier(name)))
+    for attempt in range(5):  # another test's GRANT ON DATABASE may race for the same row
+        try:
+            with db.transaction():
+                for name in present:
+                    db.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(name)))
+                for name in present:
+                    db.execute(sql.SQL("DROP ROLE IF EXISTS {}").format(sql.Identifier(name)))
+            return
+        except psycopg.errors.InternalError_ as exc:
+            if attempt == 4 or "concurrently" not in str(exc):
+                raise
+            time.sleep(0.1 * (attempt + 1))
 
 
 @pytest.fixture

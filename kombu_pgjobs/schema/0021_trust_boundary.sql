@@ -22,9 +22,11 @@
 --    more); every wait is bounded by lock_timeout (10 s when the session has none), and a
 --    lock_timeout surfaces as PGJ-108. What remains advisory is each consumer's session lock
 --    on its own wake id: a liveness signal, only ever tried, never waited on.
--- 3. The wake trigger runs as the schema's owner (SECURITY DEFINER, search_path pinned): a
---    publisher needs no grant on the registrations or on the claim columns for a publish to
---    wake (and hand off to) a consumer.
+-- 3. The wake trigger, the guarded publish (idempotency keys, tenant caps) and the failover
+--    fence run as the schema's owner (SECURITY DEFINER, search_path pinned, EXECUTE revoked
+--    from PUBLIC): a publisher needs no grant on the registrations or the claim columns for a
+--    publish to wake (and hand off to) a consumer, no read of other messages to check a key or
+--    a cap, and the first connection after a promotion may be a publisher's.
 
 CREATE TABLE IF NOT EXISTS {schema}.pgjobs_lock (
     class   text NOT NULL,      -- what the row serialises: wake, limit, rate, queued
@@ -294,7 +296,7 @@ CREATE OR REPLACE FUNCTION {schema}.pgjobs_publish_guarded_v1(
     p_tenant text[], p_key text[], p_max_queued integer[], p_task_id text[],
     p_channel text, p_async boolean)
 RETURNS TABLE (n bigint, id bigint, holder_id bigint, holder_task_id text)
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 #variable_conflict use_column
 DECLARE
     cap record;
@@ -415,9 +417,12 @@ BEGIN
     RETURN QUERY SELECT t.n, NULL::bigint, NULL::bigint, NULL::text FROM unnest(todo) AS t(n);
 END
 $$;
+REVOKE ALL ON FUNCTION {schema}.pgjobs_publish_guarded_v1(text[], smallint[], timestamptz[],
+    float8[], integer[], text[], text[], json[], text[], text[], integer[], text[], text, boolean)
+    FROM PUBLIC;
 
 CREATE OR REPLACE FUNCTION {schema}.pgjobs_fence_epoch_v1(p_step integer) RETURNS bigint
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     tl integer;
     known integer;
@@ -452,6 +457,7 @@ BEGIN
     RETURN moved;
 END
 $$;
+REVOKE ALL ON FUNCTION {schema}.pgjobs_fence_epoch_v1(integer) FROM PUBLIC;
 
 
 -- The wake trigger of version 18, with: the barrier a row lock (pgjobs_lock, class wake,
