@@ -76,10 +76,10 @@ TABLE_RIGHTS: dict[str, dict[str, tuple[str, ...]]] = {
     "pgjobs_schedule": {"operator": ("SELECT", "INSERT", "UPDATE", "DELETE")},
     "pgjobs_webhook_attempt": {"operator": ("SELECT", "DELETE")},
     "pgjobs_outbox": {"operator": ("SELECT", "DELETE"), "publisher": ("INSERT",)},
-    # the trust boundary's lock rows (schema version 21): publishes, claims and operator
-    # writes lock them (a row lock needs UPDATE)
-    "pgjobs_lock": {"worker": ("SELECT", "UPDATE"), "publisher": ("SELECT", "UPDATE"),
-                    "operator": ("SELECT", "UPDATE")},
+    # the trust boundary's lock rows (schema version 21): claims and operator writes lock them
+    # (a row lock needs UPDATE); a publish locks them only inside functions that run as the
+    # owner (the wake trigger, the guarded publish), so the publisher needs nothing here
+    "pgjobs_lock": {"worker": ("SELECT", "UPDATE"), "operator": ("SELECT", "UPDATE")},
 }
 #: the webhook endpoints' table and its secret: no SELECT on that column but for the worker
 #: (which signs deliveries with it)
@@ -91,7 +91,7 @@ SECRET_TABLE_WRITES = ("INSERT", "UPDATE", "DELETE")
 #: column privileges on the rest, a publisher can insert ready rows only, never a running
 #: (claimed, handed-off) one
 JOB_FENCE_COLUMNS = frozenset({"id", "state", "claim", "attempts", "lease_expires_at", "worker",
-                               "cancelled_at", "waiting_on", "handed_to", "created_at"})
+                               "cancelled_at", "waiting_on", "created_at"})
 #: pgjobs_job columns a publisher reads: what counts a queue's deliverable messages (kombu's
 #: queue_declare and queue size), never a message's content
 JOB_COUNTED = ("id", "queue", "state", "run_at", "expires_at")
@@ -100,11 +100,9 @@ JOB_COUNTED = ("id", "queue", "state", "run_at", "expires_at")
 #: pause): never ``paused``, which only operators set
 QUEUE_DECLARE = ("name", "expires_ms", "message_ttl_ms", "max_priority", "auto_delete",
                  "last_used_at")
-#: the publisher's functions, by name prefix (EXECUTE): the guarded publish, the failover
-#: fence every new pgjobs connection runs (with the timeline function it calls), and the row
-#: locks both take (schema version 21)
-PUBLISHER_FUNCTIONS = ("pgjobs_publish_", "pgjobs_fence_epoch_", "pgjobs_timeline_",
-                       "pgjobs_lock_")
+#: the publisher's functions, by name prefix (EXECUTE): the guarded publish and the failover
+#: fence every new pgjobs connection runs (with the timeline function it calls)
+PUBLISHER_FUNCTIONS = ("pgjobs_publish_", "pgjobs_fence_epoch_", "pgjobs_timeline_")
 #: the operator's functions: a promote clears a message's ETA
 OPERATOR_FUNCTIONS = ("pgjobs_without_eta_",)
 #: tables a worker may VACUUM (the keeper's, after settling): MAINTAIN, PostgreSQL 17 and later

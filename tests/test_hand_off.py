@@ -68,8 +68,9 @@ def test_a_publish_hands_its_message_to_the_consumer_it_wakes(
         # Claimed in the publish's own transaction: the lease starts at the row's creation.
         assert (row.id, row.claim) == (job_id, claim) == (job_id, 1)
         assert (state, attempts, worker, lease) == ("running", 1, "hand:1", 30.0)
-        marked = db.execute(f'SELECT handed_to FROM "{schema}".pgjobs_job').fetchone()[0]
-        assert marked == waiter
+        record = db.execute(f'SELECT job_id, claim, waiter FROM "{schema}".pgjobs_handoff'
+                            ).fetchall()
+        assert record == [(row.id, row.claim, waiter)]
         assert _waiters(db, schema, QUEUE) == 0  # the registration went with the hand-off
         # The consumer's fenced take reads the message once: a replay reads nothing.
         core = QueueCore(schema, lease_ttl=30, max_attempts=3, worker="hand:1")

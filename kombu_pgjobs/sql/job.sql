@@ -181,8 +181,7 @@ WITH given AS (
            claim = j.claim + 1,
            attempts = j.attempts + 1,
            lease_expires_at = now() + make_interval(secs => %(ttl)s),
-           worker = %(worker)s,
-           handed_to = NULL  -- a hand-off's mark names only the claim it was handed
+           worker = %(worker)s
      WHERE j.id = ANY (ARRAY(SELECT a.id FROM admitted AS a
                               WHERE a.v IS NULL OR (a.v).verdict = 'ok'))
     RETURNING j.id, j.claim, j.queue, j.priority, j.run_at, j.message
@@ -236,12 +235,16 @@ UNION ALL
 -- Tried exclusively (never waiting) and held to this commit: a publisher that reads the
 -- registrations after this point waits for the commit and sees them. A row lock on
 -- pgjobs_lock (0021_trust_boundary.sql): a role outside the app cannot hold it.
-SELECT 'w', {schema}.pgjobs_lock_v1('wake',
-                                    ARRAY(SELECT %(schema_name)s || '.' || b.name
-                                            FROM unnest(%(barrier)s::text[]) AS b(name)),
-                                    'try')::int,
+SELECT 'w', (count(*) = (SELECT count(DISTINCT hashtext(%(schema_name)s || '.' || b.name) & 1023)
+                          FROM unnest(%(barrier)s::text[]) AS b(name)))::int,
        NULL, NULL, NULL, NULL, NULL
- WHERE %(waiter)s::bigint IS NOT NULL AND cardinality(%(barrier)s::text[]) > 0
+  FROM (SELECT 1 FROM {schema}.pgjobs_lock AS l
+         WHERE l.class = 'wake'
+           AND l.bucket = ANY (ARRAY(SELECT hashtext(%(schema_name)s || '.' || b.name) & 1023
+                                       FROM unnest(%(barrier)s::text[]) AS b(name)))
+           AND %(waiter)s::bigint IS NOT NULL AND (SELECT yes FROM drained)
+           FOR UPDATE SKIP LOCKED) AS got
+HAVING %(waiter)s::bigint IS NOT NULL AND cardinality(%(barrier)s::text[]) > 0
    AND (SELECT yes FROM drained);
 
 -- name: job_requeue :many
@@ -411,6 +414,13 @@ WITH lapsed AS (
              LIMIT %(limit)s)
        AND j.state = 'waiting'
     RETURNING j.id, j.queue
+), untaken AS (
+    -- Hand-offs never taken (their wake-up was lost with the consumer's session; the
+    -- message comes back when its lease lapses): the records go after 10 minutes.
+    DELETE FROM {schema}.pgjobs_handoff
+     WHERE job_id IN (SELECT h.job_id FROM {schema}.pgjobs_handoff AS h
+                       WHERE h.since < now() - interval '10 minutes'
+                       LIMIT %(limit)s)
 ), promoted AS (
     -- Delayed rows now due, of the queues this process consumes, move into the claim index
     -- (the claim takes them from the delayed index meanwhile, so this is upkeep, not a wake-up:

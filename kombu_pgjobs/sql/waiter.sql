@@ -25,22 +25,24 @@ SELECT pg_notify(%(channel)s, q) FROM unnest(%(queues)s::text[]) AS q;
 
 -- name: waiter_take :many
 -- A consumer takes the messages publishes handed it (0021_trust_boundary.sql): each named by a
--- wake-up's ids, read only if the row is still running under that claim, held by this
--- consumer's worker and marked for one of its own wake ids; the mark is cleared, so a replayed
--- wake-up finds nothing, and a forged or altered one never matched. Returns (id, claim, queue,
--- message) of the rows taken. Read by primary key. Its own commit need not be flushed
--- (synchronous_commit off for this transaction): the claim it reads was durable when the
--- publish committed, and a mark that a crash brings back names a wake id that died with the
--- server's sessions.
+-- wake-up's ids, read only if its hand-off record names that claim and one of this consumer's
+-- own wake ids, and the row is still running under that claim, held by this consumer's
+-- worker. The record is deleted, so a replayed wake-up finds nothing, and a forged or altered
+-- one never matched. Returns (id, claim, queue, message) of the rows taken. Read by primary
+-- key. The record is unlogged and the commit is not flushed (synchronous_commit off): the
+-- claim it reads was durable when the publish committed, and a record that a crash loses
+-- names a session that died with the server.
 WITH quick AS (
     SELECT set_config('synchronous_commit', 'off', true) AS off
+), taken AS (
+    DELETE FROM {schema}.pgjobs_handoff AS h
+     WHERE h.job_id = ANY (%(ids)s::bigint[])
+       AND (h.job_id, h.claim, h.waiter) IN (
+            SELECT * FROM unnest(%(ids)s::bigint[], %(claims)s::int[], %(waiters)s::bigint[]))
+       AND (SELECT off FROM quick) IS NOT NULL
+    RETURNING h.job_id, h.claim
 )
-UPDATE {schema}.pgjobs_job AS j
-   SET handed_to = NULL
-  FROM quick
- WHERE j.id = ANY (%(ids)s::bigint[])
-   AND (j.id, j.claim, j.handed_to) IN (
-        SELECT * FROM unnest(%(ids)s::bigint[], %(claims)s::int[], %(waiters)s::bigint[]))
-   AND j.state = 'running' AND j.worker = %(worker)s
-   AND quick.off IS NOT NULL
-RETURNING j.id, j.claim, j.queue, j.message::text;
+SELECT j.id, j.claim, j.queue, j.message::text
+  FROM taken
+  JOIN {schema}.pgjobs_job AS j ON j.id = taken.job_id AND j.claim = taken.claim
+ WHERE j.state = 'running' AND j.worker = %(worker)s;
