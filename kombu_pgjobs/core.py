@@ -654,9 +654,15 @@ class QueueCore:
         the order of ``handed``."""
         if not handed:
             return []
-        rows = conn.execute(self.q["waiter_take"], {
-            "waiters": [h[0] for h in handed], "ids": [h[1] for h in handed],
-            "claims": [h[2] for h in handed], "worker": self.worker}).fetchall()
+        if len(handed) == 1:
+            ((waiter, job_id, claim),) = handed
+            rows = conn.execute(self.q["waiter_take_one"], {
+                "waiter": waiter, "id": job_id, "claim": claim, "worker": self.worker,
+            }).fetchall()
+        else:
+            rows = conn.execute(self.q["waiter_take"], {
+                "waiters": [h[0] for h in handed], "ids": [h[1] for h in handed],
+                "claims": [h[2] for h in handed], "worker": self.worker}).fetchall()
         got = {r[0]: Claimed(r[0], r[1], r[2], r[3]) for r in rows}
         return [got.pop(h[1]) for h in handed if h[1] in got]
 
