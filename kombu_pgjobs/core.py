@@ -655,10 +655,13 @@ class QueueCore:
         if not handed:
             return []
         if len(handed) == 1:
+            # numbered placeholders and text values, as the claim is sent: no parse of the
+            # statement's text per call, one prepared statement whatever the ids' sizes
             ((waiter, job_id, claim),) = handed
-            rows = conn.execute(self.q["waiter_take_one"], {
-                "waiter": waiter, "id": job_id, "claim": claim, "worker": self.worker,
-            }).fetchall()
+            query, keys = positional(self.schema, "waiter_take_one", 0)
+            values = {"waiter": waiter, "id": job_id, "claim": claim, "worker": self.worker}
+            rows = RawTimeoutTranslatingCursor(conn).execute(
+                query, text_params([values[k] for k in keys])).fetchall()
         else:
             rows = conn.execute(self.q["waiter_take"], {
                 "waiters": [h[0] for h in handed], "ids": [h[1] for h in handed],
