@@ -7,6 +7,7 @@ be attributed to one broker, and so their tables never meet.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -139,3 +140,15 @@ def prepare(broker: Broker) -> None:
             broker.setup(broker)
         except psycopg.Error as exc:
             raise BrokerUnavailable(f"setup failed: {exc}") from exc
+
+
+def variant(spec: str) -> Broker:
+    """A broker of the registry, or ``name+key=value+...``: it with these transport options
+    (values are JSON, else text), to compare settings side by side within one run."""
+    name, *pairs = spec.split("+")
+    broker = registry()[name]
+    options = dict(broker.transport_options)
+    for pair in pairs:
+        key, _, text = pair.partition("=")
+        options[key] = option_value(text)
+    return dataclasses.replace(broker, name=spec, transport_options=options)

@@ -3,6 +3,9 @@
     python -m bench.cpu_split [--brokers pgjobs,amqp] [--pool prefork] [--concurrency 2]
                               [--n 4000] [--runs 3]
 
+A broker may be a variant with transport options, e.g. ``pgjobs+hand_off=false`` (as in
+``bench.stages``).
+
 Each run, broker after broker: purge, publish --n no-op tasks with the batch path (untimed),
 start one real ``celery worker`` (the harness's app and flags, ``bench/worker.py``) and, from
 its ``worker_ready`` to the last task, read the CPU time (user + system, ``/proc/<pid>/stat``)
@@ -27,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.brokers import prepare, registry
+from bench.brokers import prepare, variant
 from bench.measure import REPO_ROOT, BrokerRun, Config
 from bench.pgidle import proc_stats
 from bench.worker import Worker
@@ -95,7 +98,7 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
-    brokers = [registry()[b] for b in args.brokers.split(",")]
+    brokers = [variant(b) for b in args.brokers.split(",")]
     for broker in brokers:
         prepare(broker)
     rows: dict[str, list[dict[str, float]]] = {b.name: [] for b in brokers}

@@ -35,7 +35,6 @@ samples of each run; the total's ratio to the second broker is taken within each
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import os
@@ -45,7 +44,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.brokers import Broker, option_value, prepare, registry
+from bench.brokers import prepare, variant
 from bench.measure import REPO_ROOT, BrokerRun, Config
 from bench.worker import Worker
 
@@ -86,17 +85,6 @@ def _samples(state: Path, count: int, timeout: float = 10.0) -> list[dict[str, f
             rows.append(row)
         time.sleep(rng.uniform(0.05, 0.15))
     return rows
-
-
-def variant(spec: str) -> Broker:
-    """A broker of the registry, or ``name+key=value+...``: it with these transport options."""
-    name, *pairs = spec.split("+")
-    broker = registry()[name]
-    options = dict(broker.transport_options)
-    for pair in pairs:
-        key, _, text = pair.partition("=")
-        options[key] = option_value(text)
-    return dataclasses.replace(broker, name=spec, transport_options=options)
 
 
 def one(spec: str, pool: str, count: int, tmp: Path) -> dict[str, float]:

@@ -112,6 +112,7 @@ def test_nul_and_lone_surrogates_in_headers_do_not_break_any_listing(cli, db, sc
     assert [r["id"] for r in out["items"]] == sorted([nul_live, good, older])
     by_id = {r["id"]: r for r in out["items"]}
     assert by_id[good]["tenant"] == "acme" and by_id[good]["task_id"]
+    good_task = by_id[good]["task_id"]
     assert by_id[nul_live]["task_id"], "read from the message text in Python"
     code, out = cli("ls", "--state", "ready,dead")
     assert [r["id"] for r in out["items"]] == sorted([nul_dead, nul_live, good, older])
@@ -156,6 +157,12 @@ def test_nul_and_lone_surrogates_in_headers_do_not_break_any_listing(cli, db, sc
     message = db.execute(f'SELECT message::text FROM "{schema}".pgjobs_job WHERE id = %s',
                          (nul_dead,)).fetchone()[0]
     assert json.loads(message)["headers"]["x-note"] == "a\x00b", "moved unchanged"
+    # `pgjobs cancel --task-id` reads every live row's task id: the unreadable ones are
+    # skipped, never an error (issue 28, item 7)
+    code, out = cli("cancel", "--task-id", good_task)
+    assert code == 0, out
+    assert db.execute(f'SELECT count(*) FROM "{schema}".pgjobs_job WHERE id = %s',
+                      (good,)).fetchone()[0] == 0
 
 
 def test_an_error_with_nul_and_surrogates_is_dead_lettered_escaped(cli, db, schema):

@@ -37,13 +37,21 @@ SELECT task_id, extract(epoch FROM expires_at - now())::float8 AS left_seconds
 -- name: revoke_find :many
 -- `pgjobs cancel --task-id`: the live rows of these Celery task ids. Delayed rows through
 -- pgjobs_job_delayed_task_id_idx; the others (due, running, waiting: few, and claimed soon) by
--- a scan of the rows that are not delayed. Returns (id, task_id).
+-- a scan of the rows that are not delayed. A message whose text holds a \u0000 or a lone
+-- surrogate escape (written by a release that did not refuse them at publish, or by hand)
+-- cannot be read with ->> (PostgreSQL text holds neither): it is skipped, never an error
+-- that fails the whole cancel (the dead-letter and listing statements do the same, admin.sql).
+-- Returns (id, task_id).
 SELECT j.id, j.message -> 'headers' ->> 'id'
   FROM {schema}.pgjobs_job AS j
  WHERE (j.message -> 'headers' ->> 'id') = ANY(%(task_ids)s::text[])
    AND j.state = 'ready' AND j.delayed
 UNION
-SELECT j.id, j.message -> 'headers' ->> 'id'
-  FROM {schema}.pgjobs_job AS j
- WHERE (j.message -> 'headers' ->> 'id') = ANY(%(task_ids)s::text[])
-   AND NOT (j.state = 'ready' AND j.delayed);
+SELECT x.id, x.task_id
+  FROM (SELECT j.id,
+               CASE WHEN strpos(j.message::text, '\u0000') + strpos(j.message::text, '\ud')
+                         + strpos(j.message::text, '\uD') = 0
+                    THEN j.message -> 'headers' ->> 'id' END AS task_id
+          FROM {schema}.pgjobs_job AS j
+         WHERE NOT (j.state = 'ready' AND j.delayed)) AS x
+ WHERE x.task_id = ANY(%(task_ids)s::text[]);
