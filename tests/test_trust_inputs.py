@@ -97,7 +97,7 @@ def test_kombu_and_celery_refuse_such_a_url_without_quoting_it(case: str) -> Non
         kombu.Connection(url).connect()
     assert err.value.code == "PGJ-101"
     assert _leaks(str(err.value)) == [], str(err.value)
-    app = Celery("leak", broker=url)
+    app = Celery("leak", broker=url, set_as_current=False)  # never the later tests' app
     with pytest.raises(InvalidURL) as err:
         app.send_task("t")
     assert _leaks(str(err.value)) == [], str(err.value)
