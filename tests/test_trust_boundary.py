@@ -359,3 +359,28 @@ def test_a_celery_worker_runs_no_forged_hand_off_and_the_real_task_once(
                 evil.execute("SELECT pg_notify(%s, %s)", [ch, payload])
     time.sleep(3.0)
     assert (runs(real), runs("forged")) == (1, 0)
+
+
+@pytest.mark.parametrize("limits", [
+    {"concurrency": [{"key": "dup", "limit": 2}, {"key": "dup", "limit": 3}]},
+    {"rate": [{"key": "r-dup", "limit": 5, "per": 60}, {"key": "r-dup", "limit": 9, "per": 60}]},
+])
+def test_a_row_written_with_a_key_twice_stalls_no_claim(
+        limits: dict[str, Any], schema: str, db: psycopg.Connection[Any]) -> None:
+    """A publish refuses a key given twice (PGJ-303), but a role that may INSERT rows (a
+    publisher, compromised) writes what it likes: such a row is admitted under each key once,
+    and the claims of its queue go on (it made every claim of the queue fail before)."""
+    from kombu_pgjobs.core import QueueCore, job_from_message
+    from kombu_pgjobs.schema import migrate
+
+    migrate(db, schema)
+    core = QueueCore(schema, lease_ttl=30.0, max_attempts=5)
+    core.publish_many(db, [job_from_message("q", {"body": "before", "headers": {},
+                                                  "properties": {}})])
+    db.execute(f'INSERT INTO "{schema}".pgjobs_job (queue, message, limits) VALUES '
+               "('q', '{\"body\": \"dup\", \"headers\": {}, \"properties\": {}}', %s::jsonb)",
+               [json.dumps(limits)])
+    core.publish_many(db, [job_from_message("q", {"body": "after", "headers": {},
+                                                  "properties": {}})])
+    got = core.claim(db, ["q"], 10).claimed
+    assert sorted(json.loads(c.message)["body"] for c in got) == ["after", "before", "dup"]

@@ -111,7 +111,9 @@ $$;
 REVOKE ALL ON FUNCTION {schema}.pgjobs_lock_v1(text, text[], text) FROM PUBLIC;
 
 -- The functions below are those of versions 3, 7, 14 and 20 with their advisory locks
--- replaced by pgjobs_lock_v1; nothing else in them changes.
+-- replaced by row locks of pgjobs_lock; besides, the admission admits a key given twice in one
+-- row's limits once (a row written by hand, not through a publish, made every claim of its
+-- queue fail), and the guarded publish and the fence run as the owner.
 
 CREATE OR REPLACE FUNCTION {schema}.pgjobs_admit_v2(p_id bigint, p_claim integer, p_queue text,
                                                     p_limits jsonb, p_channel text,
@@ -127,6 +129,7 @@ DECLARE
     limits integer[] := '{{}}';
     free integer[] := '{{}}';
     windows timestamptz[] := '{{}}';
+    rate_keys text[] := '{{}}';
     taken integer[];
     on_key text;
     e jsonb;
@@ -139,6 +142,9 @@ BEGIN
     FOR i IN 0 .. n_caps - 1 LOOP
         e := caps -> i;
         on_key := e ->> 'key';
+        -- A key given twice (a publish refuses it, PGJ-303; a row written by hand may hold it)
+        -- is admitted once: a second slot of one key in one statement failed every claim.
+        CONTINUE WHEN on_key = ANY(keys);
         cap := (e ->> 'limit')::integer;
         PERFORM 1 FROM {schema}.pgjobs_lock AS l  -- pgjobs_lock_v1(..., 'try'), written out
          WHERE l.class = 'limit' AND l.bucket = hashtext(on_key) & 1023
@@ -212,6 +218,7 @@ BEGIN
     FOR i IN 0 .. n_rates - 1 LOOP
         e := rates -> i;
         on_key := e ->> 'key';
+        CONTINUE WHEN on_key = ANY(rate_keys);  -- (as a concurrency key given twice)
         per := (e ->> 'per')::float8;
         PERFORM 1 FROM {schema}.pgjobs_lock AS l
          WHERE l.class = 'rate' AND l.bucket = hashtext(on_key) & 1023
@@ -229,6 +236,7 @@ BEGIN
             RETURN ROW('later', on_key)::{schema}.pgjobs_verdict;
         END IF;
         windows := windows || ws;
+        rate_keys := rate_keys || on_key;
     END LOOP;
     -- Every cap and rate has room: take the slots, count the starts.
     IF n_caps > 0 THEN
@@ -240,9 +248,7 @@ BEGIN
     END IF;
     IF n_rates > 0 THEN
         INSERT INTO {schema}.pgjobs_rate AS r (limit_key, window_start, starts)
-        SELECT e2 ->> 'key', w, 1
-          FROM unnest(windows) WITH ORDINALITY AS t(w, i)
-         CROSS JOIN LATERAL (SELECT rates -> (t.i::integer - 1) AS e2) AS x
+        SELECT k, w, 1 FROM unnest(rate_keys, windows) AS t(k, w)
         ON CONFLICT (limit_key, window_start) DO UPDATE SET starts = r.starts + 1;
     END IF;
     RETURN ROW('ok', NULL)::{schema}.pgjobs_verdict;
