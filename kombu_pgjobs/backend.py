@@ -33,6 +33,7 @@ from .errors import (
     DatabaseTimeout,
     DatabaseUnavailable,
     MigrationError,
+    PermissionDenied,
     PgJobsError,
     PublishFailed,
 )
@@ -54,6 +55,14 @@ log = logging.getLogger("kombu_pgjobs")
 
 _backends: dict[tuple[str, TransportOptions], Backend] = {}
 _backends_lock = threading.Lock()
+
+
+def denied(exc: psycopg.Error, doing: str) -> PermissionDenied:
+    """The coded error for a statement the role may not run (``InsufficientPrivilege``)."""
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else "permission denied"
+    return PermissionDenied(
+        f"{doing}: {first}: the role this process connects as lacks the right; connect as "
+        "the role of this component (`pgjobs roles` writes them, docs/security.md) or grant it")
 
 
 def backend_for(conninfo: str, options: TransportOptions) -> Backend:
@@ -198,7 +207,11 @@ class Backend:
         with self._migrate_lock:
             if self._migrated:
                 return
-            if schema_version(conn, self.options.schema) < latest_version():
+            try:
+                behind = schema_version(conn, self.options.schema) < latest_version()
+            except psycopg.errors.InsufficientPrivilege as exc:
+                raise denied(exc, f"reading schema {self.options.schema!r}") from exc
+            if behind:
                 if not self.options.auto_migrate:
                     raise MigrationError(
                         f"schema {self.options.schema!r} is not installed or is out of date, "
@@ -222,6 +235,9 @@ class Backend:
                         # an earlier publish's failure is raised at the next publish, not here
                         self._unconfirmed.confirm(raise_failed=False)
                     return fn(conn)
+                except psycopg.errors.InsufficientPrivilege as exc:
+                    # not a lost connection: kombu must not retry it (forever, for a revoke)
+                    raise denied(exc, "publishing") from exc
                 except psycopg.OperationalError:
                     if not (conn.closed or conn.broken):
                         raise  # the statement failed (a timeout): the connection is fine

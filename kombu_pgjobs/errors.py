@@ -52,6 +52,7 @@ __all__ = [
     "OutboxBypassed",
     "OutboxNotInstalled",
     "OutboxUnserializable",
+    "PermissionDenied",
     "PgJobsError",
     "PublishFailed",
     "ScheduleEntryExists",
@@ -157,6 +158,15 @@ class MessageTooLarge(MessageError):
     written. Keep large data in the app's tables (or object storage) and send its key."""
 
     code = "PGJ-110"
+
+
+class PermissionDenied(PgJobsError):
+    """The database role this process connects as lacks a right the operation needs (a
+    publisher role deleting rows, a role with no grant on the schema): raised at once, never
+    retried as if the connection had failed. Give the role the rights of its component
+    (``pgjobs roles``, docs/security.md) or connect as another."""
+
+    code = "PGJ-111"
 
 
 class InvalidLimit(PgJobsError):

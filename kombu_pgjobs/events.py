@@ -64,6 +64,11 @@ EVENTS: dict[str, tuple[str, str]] = {
     "pgjobs.revoke.deleted": (
         "PGJ-220", "a Celery revoke broadcast named a task waiting for its ETA: its row was "
         "deleted from Postgres (counted revoked; INFO)"),
+    "pgjobs.revoke.refused": (
+        "PGJ-222", "a Celery revoke broadcast was sent by a role that may not delete rows (a "
+        "publisher role): the broadcast went out and workers discard the task, but its "
+        "waiting (ETA) rows stay until due and the revoke is not kept for starting workers; "
+        "send revokes as a worker or operator role, or use pgjobs cancel --task-id"),
     "pgjobs.settled.listener_failed": (
         "PGJ-221", "a receiver of the on_settled notification raised: logged, the settle it "
         "reported stands"),

@@ -57,8 +57,8 @@ from .backend import Backend, backend_for, settle_listeners
 from .consumer import ConsumerLoop, refill_mark
 from .core import Claimed, job_from_message
 from .database import conninfo_from_parts
-from .errors import DatabaseUnavailable, PgJobsError
-from .events import log_event
+from .errors import DatabaseUnavailable, PermissionDenied, PgJobsError
+from .events import log_event, one_line
 from .options import (
     TransportOptions,
     queue_arguments,
@@ -200,7 +200,14 @@ class Channel(virtual.Channel):
                 self.backend.publishing(fanout)
         if revoked:  # Celery's revoke broadcast: its waiting (ETA) rows go for good
             for backend in shards.backends if shards is not None else [self.backend]:
-                gone = backend.publishing(lambda c, b=backend: b.core.revoke(c, revoked))
+                try:
+                    gone = backend.publishing(lambda c, b=backend: b.core.revoke(c, revoked))
+                except PermissionDenied as exc:
+                    # A publisher role may not delete rows: the broadcast is out (workers
+                    # discard the task), the delayed rows wait until they are due.
+                    log_event("pgjobs.revoke.refused", code=exc.code, tasks=len(revoked),
+                              error=one_line(exc))
+                    continue
                 for job_id, queue in gone:
                     log_event("pgjobs.revoke.deleted", logging.INFO, job_id=job_id,
                               queue=queue)

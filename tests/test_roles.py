@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -256,6 +257,16 @@ def test_worker_and_publisher_run_as_their_roles(roles, db, start_worker, schema
     log = worker.output()
     assert "permission denied" not in log.lower() and "InsufficientPrivilege" not in log, \
         log[-4000:]
+    # a revoke broadcast sent as the publisher: out at once, its delete of the task's delayed
+    # rows refused and logged (PGJ-222), never retried as a lost connection (it hung before)
+    done = threading.Event()
+
+    def revoke() -> None:
+        rec.app.control.revoke("no-such-task")
+        done.set()
+
+    threading.Thread(target=revoke, daemon=True).start()
+    assert done.wait(30), "a revoke as the publisher role did not return"
     # the publisher's sessions were its own role's, and so were the worker's
     users = {r[0] for r in db.execute(
         "SELECT DISTINCT usename FROM pg_stat_activity WHERE usename LIKE %s",

@@ -384,3 +384,21 @@ def test_a_row_written_with_a_key_twice_stalls_no_claim(
                                                   "properties": {}})])
     got = core.claim(db, ["q"], 10).claimed
     assert sorted(json.loads(c.message)["body"] for c in got) == ["after", "before", "dup"]
+
+
+def test_a_role_without_grants_gets_a_coded_error_at_once_not_a_retry_loop(
+        outsider: str, url: str, schema: str) -> None:
+    """kombu and Celery retry a lost connection; a permission denied is no lost connection
+    (it would fail the same way forever): PermissionDenied (PGJ-111), at once."""
+    from kombu_pgjobs.errors import PermissionDenied
+
+    _producer(url, schema, QUEUE).release()  # installed by the app's role
+    role = psycopg.conninfo.conninfo_to_dict(outsider)["user"]
+    started = time.monotonic()
+    with kombu.Connection(f"pgjobs://{role}@127.0.0.1:5432/test",
+                          transport_options={"schema": schema}) as conn:
+        with pytest.raises(PermissionDenied) as caught:
+            conn.Producer().publish({"n": 1}, routing_key=QUEUE, retry=True,
+                                    retry_policy={"max_retries": None})
+    assert caught.value.code == "PGJ-111"
+    assert time.monotonic() - started < 10
