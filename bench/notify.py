@@ -3,7 +3,7 @@
     python -m bench.notify [--threads 8] [--seconds 5] [--runs 3]
                            [--consumers 1,6,16] [--messages 200] [--gap 0.02]
 
-Since schema version 17 the insert trigger (``pgjobs_wake_v2`` since version 18) wakes one
+Since schema version 17 the insert trigger (``pgjobs_wake_v3`` since version 21) wakes one
 registered consumer per message and sends no NOTIFY when no consumer waits. Each figure is
 measured with three triggers on the job table, side by side: ``wake`` (today's), ``broadcast``
 (version 1's ``pgjobs_notify_v1``, installed here from its migration for the comparison:
@@ -93,8 +93,11 @@ def _setup(trigger: str) -> None:
         for table in ("pgjobs_job", "pgjobs_slot", "pgjobs_queue", "pgjobs_counter",
                       "pgjobs_consumer"):
             conn.execute(f'ALTER TABLE "{SCHEMA}".{table} SET (autovacuum_enabled = false)')
-        if trigger != "wake":
-            conn.execute(f'ALTER TABLE "{SCHEMA}".pgjobs_job DISABLE TRIGGER pgjobs_job_wake_v2')
+        if trigger != "wake":  # the schema's wake trigger, whichever version it is
+            (name,) = conn.execute(
+                "SELECT tgname FROM pg_trigger WHERE tgrelid = %s::regclass "
+                "AND tgname LIKE 'pgjobs_job_wake_%%'", [f'"{SCHEMA}".pgjobs_job']).fetchone()
+            conn.execute(f'ALTER TABLE "{SCHEMA}".pgjobs_job DISABLE TRIGGER "{name}"')
         if trigger == "broadcast":
             conn.execute(_broadcast_trigger().replace("{schema}", f'"{SCHEMA}"'))
 
