@@ -337,10 +337,16 @@ class ConsumerLoop:
             if row is None:
                 return  # in no format a publish sends (an older one carried the message)
             queue = row.queue
+            if not self.waits.expects(queue, self.consumed()):
+                return  # no registration of ours on that queue was ever taken
             self.handed.append(row)
             self.waits.handed(queue)
         elif self.waits.waiter is not None and channel == self.waits.channel:
+            if not self.waits.expects(queue, self.consumed()):
+                return
             self.waits.woken(queue, self.consumed())
+        elif queue not in self.consumed():
+            return  # the schema's channel: a queue this connection does not consume
         if self.owns is not None and not self.owns(queue):
             return  # a shard's loop claims only the queues the map gives its database
         if row is not None:

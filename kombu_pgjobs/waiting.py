@@ -111,6 +111,9 @@ class Waits:
         #: queues handed a message and not claimed since: the consumer claims them again
         #: (and so registers again) even below its refill mark, as a woken consumer would
         self.rearm: set[str] = set()
+        #: registrations dropped (queues no longer consumed) whose wake-up may still come: a
+        #: publish that took one before the drop woke this consumer for it
+        self.dropped: set[str] = set()
 
     @property
     def channel(self) -> str:
@@ -122,6 +125,7 @@ class Waits:
         start above 2**32, out of the range of a one-int advisory lock key."""
         self.waiter = _random.randrange(2**32, 2**62)
         self.state.clear()
+        self.dropped.clear()
         return self.waiter
 
     def stop(self) -> set[str]:
@@ -131,11 +135,20 @@ class Waits:
         self.state.clear()
         passed = self.pass_on | self.unserved
         self.pass_on, self.unserved, self.rearm = set(), set(), set()
+        self.dropped.clear()
         return passed
+
+    def expects(self, queue: str, consumed: Collection[str]) -> bool:
+        """Whether a wake-up on this consumer's own channel for ``queue`` can be real: it is
+        registered on the queue, consumes it, or dropped its registration lately. Anything
+        else came from a role that merely sent a NOTIFY: ignored, so that made-up queue names
+        cost nothing, not even memory."""
+        return queue in self.state or queue in consumed or queue in self.dropped
 
     def woken(self, queue: str, consumed: Collection[str]) -> None:
         """A wake-up on this consumer's channel: its registration on ``queue`` was deleted."""
         self.state.pop(queue, None)
+        self.dropped.discard(queue)
         self._wakes[queue] = self._wakes.get(queue, 0) + 1
         if queue not in consumed:
             self.pass_on.add(queue)
@@ -196,4 +209,5 @@ class Waits:
         gone = [q for q in self.state if q not in consumed]
         for q in gone:
             del self.state[q]
+        self.dropped.update(gone)
         return gone

@@ -402,3 +402,39 @@ def test_a_role_without_grants_gets_a_coded_error_at_once_not_a_retry_loop(
                                     retry_policy={"max_retries": None})
     assert caught.value.code == "PGJ-111"
     assert time.monotonic() - started < 10
+
+
+def test_made_up_queue_names_in_notifications_cost_no_memory(
+        outsider: str, url: str, schema: str, db: psycopg.Connection[Any]) -> None:
+    """Thousands of wake-ups and hand-offs naming queues nobody consumes, on the schema's
+    channel and the consumer's own: the consumer keeps no mark, no count and no pending take
+    for any of them (each would be memory an outsider fills at will), and still runs a real
+    message at once."""
+    producer = _producer(url, schema, QUEUE)
+    app = f"pgjt-flood-{uuid.uuid4().hex[:8]}"
+    consumer = Drainer(url, schema, [QUEUE], app)
+    consumer.start()
+    try:
+        wait_for(lambda: _waiters(db, schema, QUEUE) >= 1, 10, what="the consumer to wait")
+        with psycopg.connect(outsider, autocommit=True) as evil:
+            channels = [f"pgjobs.{schema}"] + [f"pgjobs.w.{w}"
+                                              for w in _wake_ids(evil, db, app)]
+            assert len(channels) == 2
+            for i in range(1000):
+                for ch in channels:
+                    evil.execute("SELECT pg_notify(%s, %s), pg_notify(%s, %s)",
+                                 [ch, f"junk-{i}", ch, f"\x1e{i + 1} 1:junk-{i}"])
+        time.sleep(1.0)
+        producer.SimpleQueue(QUEUE).put({"label": "real"})
+        wait_for(lambda: len(consumer.got) == 1, 10, what="the real message")
+        loop = consumer.conn.transport.consumer
+        waits = loop.waits
+        assert not any(q.startswith("junk-") for q in loop.dirty)
+        assert not any(q.startswith("junk-") for q in waits._wakes)
+        assert not any(q.startswith("junk-") for q in waits.rearm | waits.pass_on
+                       | waits.unserved)
+        assert not any(h.queue.startswith("junk-") for h in loop.handed)
+    finally:
+        consumer.stop_event.set()
+        consumer.join(10)
+        producer.release()
