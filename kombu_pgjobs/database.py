@@ -179,9 +179,11 @@ def _merge(base: dict[str, Any], extra: Mapping[str, Any], what: str) -> None:
     """Add ``extra`` to ``base``; a key both give with different values is refused."""
     for key, value in extra.items():
         if key in base and base[key] is not None and str(base[key]) != str(value):
+            # a password (sslpassword, password) is never repeated in an error
+            shown = (lambda v: "**") if "password" in key else repr
             raise InvalidSSL(
-                f"{what} sets {key}={value!r} but connect_options sets {key}={base[key]!r}: "
-                "give it once")
+                f"{what} sets {key}={shown(value)} but connect_options sets "
+                f"{key}={shown(base[key])}: give it once")
         base[key] = value
 
 
@@ -233,7 +235,9 @@ def conninfo_from_parts(*, host: str | None, port: int | str | None, user: str |
                     "it out)")
             given[key] = value
     tls = ssl_parameters(ssl)
-    _merge(extra, tls, f"ssl={ssl!r}")
+    shown = ({k: "**" if "password" in str(k) else v for k, v in ssl.items()}
+             if isinstance(ssl, Mapping) else ssl)
+    _merge(extra, tls, f"ssl={shown!r}")
     for key, value in KEEPALIVES.items():
         extra.setdefault(key, value)
     _timeouts(options, extra)

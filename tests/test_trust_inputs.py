@@ -467,3 +467,16 @@ def test_migrate_bad_schema_is_coded_and_migrates_nothing(bad: str, capsys: Any)
     nowhere = DSN.rsplit("/", 1)[0] + f"/pgjt_none_{uuid.uuid4().hex[:8]}"
     assert cli(["migrate", "--dsn", nowhere, "--schema", bad, "--json"]) == 2
     assert json.loads(capsys.readouterr().out)["error"]["code"] == "PGJ-103"
+
+
+def test_a_tls_key_password_is_never_repeated_in_an_error() -> None:
+    """broker_use_ssl's key password (and connect_options' sslpassword) in a clash of the
+    two: the error names the setting, never its value (issue 28, item 5)."""
+    from kombu_pgjobs.errors import InvalidSSL
+
+    options = TransportOptions.parse({"connect_options": {"sslpassword": "Qz7x-first-pw"}})
+    with pytest.raises(InvalidSSL) as err:
+        conninfo_from_url("pgjobs://app@127.0.0.1:5432/test", options,
+              ssl={"keyfile": "/k.pem", "password": "Qz7x-second-pw"})
+    assert "Qz7x" not in str(err.value), str(err.value)
+    assert "sslpassword" in str(err.value)
