@@ -664,3 +664,36 @@ def test_an_older_schema_keeps_the_other_pages(core, db, client, schema):
         assert c.get(path).status_code == 200, path
     migrate(db, schema)  # the pages come back once migrated, without a restart
     assert c.get("/schedules").status_code == 200 and c.get("/webhooks").status_code == 200
+
+
+def test_bulk_dead_letter_actions_act_on_the_filter_shown(core, db, client, schema):
+    """A task-filtered dead letters page: "requeue all" requeues that task's dead letters
+    only (the form dropped the task filter: every dead letter of the queue went back); "purge
+    all" is not offered for a filter the purge cannot apply, and a purge posted with one is
+    refused with nothing deleted."""
+    boom = [kill_dead(core, db, "alpha") for _ in range(2)]
+    other = [kill_dead(core, db, "alpha") for _ in range(3)]
+    db.execute(f'UPDATE "{schema}".pgjobs_dead_letter '
+               "SET task = CASE WHEN id = ANY(%s) THEN 'shop.boom' ELSE 'shop.other' END",
+               [boom])
+
+    def dead() -> list[int]:
+        return [r[0] for r in db.execute(
+            f'SELECT id FROM "{schema}".pgjobs_dead_letter ORDER BY id').fetchall()]
+
+    c = client(write=True, token=TOKEN)
+    csrf = sign_in(c)
+    page = c.get("/dead?queue=alpha&task=shop.boom").text
+    assert sorted(ids_in(page)) == sorted(boom)
+    assert 'action="/dead/requeue"' in page and 'value="shop.boom"' in page
+    assert 'action="/dead/purge"' not in page
+    r = c.post("/dead/requeue", data={"csrf": csrf, "confirm": "yes", "queue": "alpha",
+                                      "task": "shop.boom"},
+               headers={"accept": "application/json"})
+    assert sorted(x["id"] for x in r.json()["requeued"]) == sorted(boom)
+    assert dead() == sorted(other)
+    r = c.post("/dead/purge", data={"csrf": csrf, "confirm": "yes", "queue": "alpha",
+                                    "task": "shop.other"},
+               headers={"accept": "application/json"})
+    assert r.status_code >= 400 and "PGJ-405" in r.text, r.text
+    assert dead() == sorted(other)

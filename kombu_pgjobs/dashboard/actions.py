@@ -53,6 +53,17 @@ def _limit(params: Mapping[str, str]) -> int:
     return int(raw)
 
 
+def _refuse_unknown(params: Mapping[str, str], keys: tuple[str, ...]) -> dict[str, Any]:
+    """A bulk action given a filter it cannot apply is refused, never run on more rows than
+    the filter names (a purge by task would have deleted every dead letter of the queue)."""
+    given = [k for k in keys if _opt(params, k)]
+    if given:
+        raise InvalidArgument(
+            f"this action cannot be limited by {', '.join(given)}: nothing was done; act on "
+            "the rows one by one, or with the CLI's filters")
+    return {}
+
+
 def _bulk(what: str, params: Mapping[str, str], keys: tuple[str, ...]) -> str:
     """A bulk action in words: what, the filters given, and its bound."""
     given = "".join(f", {k} {params[k]}" for k in keys if _opt(params, k))
@@ -167,14 +178,16 @@ def routes(dash: Dashboard) -> list[BaseRoute]:
                       "deleted instead of coming back)",
             lambda a, p: a.cancel([p["id"]]), to_message), methods=post),
         Route("/dead/requeue", act(
-            lambda p: _bulk("Requeue dead letters", p, ("queue", "tenant", "reason")),
-            lambda a, p: a.dead_requeue(queue=_opt(p, "queue"), tenant=_opt(p, "tenant"),
-                                        reason=_opt(p, "reason"), limit=_limit(p)),
+            lambda p: _bulk("Requeue dead letters", p, ("queue", "task", "tenant", "reason")),
+            lambda a, p: a.dead_requeue(queue=_opt(p, "queue"), task=_opt(p, "task"),
+                                        tenant=_opt(p, "tenant"), reason=_opt(p, "reason"),
+                                        limit=_limit(p)),
             to_dead), methods=post),
         Route("/dead/purge", act(
             lambda p: _bulk("Purge dead letters", p, ("queue", "reason", "older_than")),
             lambda a, p: a.dead_purge(queue=_opt(p, "queue"), reason=_opt(p, "reason"),
-                                      older_than=_opt(p, "older_than"), limit=_limit(p)),
+                                      older_than=_opt(p, "older_than"), limit=_limit(p),
+                                      **_refuse_unknown(p, ("task", "tenant"))),
             to_dead), methods=post),
         Route("/dead/{id}/requeue", act(
             lambda p: f"Requeue dead letter {p['id']}: back to ready, attempts from 0",
