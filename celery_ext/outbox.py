@@ -172,7 +172,7 @@ def transaction(conn: Any = None, *, schema: str | None = None, using: str | Non
                 app: Any = None) -> Iterator[outbox.Block]:
     """Publish this context's Celery tasks in ``conn``'s transaction for the block."""
     psy = psycopg_connection(conn, using=using)
-    app = app or current_app
+    app = app or current_app._get_current_object()  # the app itself, never its proxy
     for each in {app, *_get_active_apps()}:  # every app of the process publishes through it
         hook_app(each)
     body_done = False

@@ -16,7 +16,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from celery import Celery
+from celery import Celery, current_app
 
 import celery_ext
 import celery_ext.webhooks as webhooks
@@ -555,3 +555,20 @@ def test_concurrency_per_endpoint(db, schema, url, server, start_worker):
                    db, schema, worker)
     assert server.most_in_flight["/one"] == 1
     assert server.most_in_flight["/many"] >= 2, "without the cap the worker overlaps them"
+
+
+def test_send_with_no_app_uses_the_current_app(db, schema, url):
+    """``app=None``, the documented default: Celery's current app (it was its proxy, never
+    the installed app: PGJ-803 every time)."""
+    app = sender(schema, url)
+    ep = webhooks.add_endpoint("https://x.test/hook", secret=SECRET, app=app)
+    before = current_app._get_current_object()
+    app.set_current()
+    try:
+        sent = webhooks.send(ep, "order.paid", {"order": 2}, "evt_current")
+        assert sent.event_id == "evt_current"
+        assert webhooks.disable(ep)["enabled"] is False
+    finally:
+        before.set_current()  # the next test's current app is what it was
+    row = db.execute(f'SELECT message::text FROM "{schema}".pgjobs_job').fetchone()
+    assert "evt_current" in row[0]

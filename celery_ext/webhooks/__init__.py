@@ -84,7 +84,10 @@ class Sent:
 
 
 def _app(app: Any) -> Any:
-    return app if app is not None else current_app
+    """The app given, else Celery's current app itself: ``current_app`` is a proxy, which is
+    never the app ``celery_ext.install`` recorded (``send(..., app=None)``, the documented
+    default, always failed with PGJ-803)."""
+    return app if app is not None else current_app._get_current_object()
 
 
 def add_endpoint(url: str, *, secret: str, description: str | None = None,
