@@ -328,6 +328,7 @@ class ConsumerLoop:
         wake-up makes the consumer claim (a queue it does not consume is ignored), and a
         hand-off is delivered only if the fenced take reads it back (_deliver_handed)."""
         row: Handed | None = None
+        consumed = self.consumed()
         if queue.startswith(HAND_OFF):
             waiter = self.waits.waiter
             if (waiter is None or channel != self.waits.channel
@@ -337,15 +338,15 @@ class ConsumerLoop:
             if row is None:
                 return  # in no format a publish sends (an older one carried the message)
             queue = row.queue
-            if not self.waits.expects(queue, self.consumed()):
+            if not self.waits.expects(queue, consumed):
                 return  # no registration of ours on that queue was ever taken
             self.handed.append(row)
             self.waits.handed(queue)
         elif self.waits.waiter is not None and channel == self.waits.channel:
-            if not self.waits.expects(queue, self.consumed()):
+            if not self.waits.expects(queue, consumed):
                 return
-            self.waits.woken(queue, self.consumed())
-        elif queue not in self.consumed():
+            self.waits.woken(queue, consumed)
+        elif queue not in consumed:
             return  # the schema's channel: a queue this connection does not consume
         if self.owns is not None and not self.owns(queue):
             return  # a shard's loop claims only the queues the map gives its database
@@ -586,20 +587,27 @@ class ConsumerLoop:
         if rows:
             self.backend.settle([(r.id, r.claim) for r in rows], requeue=True, uncount=True)
 
-    def _take_handed(self) -> list[Claimed]:
-        """Take what wake-ups said publishes handed to this consumer: one statement, fenced
-        on each row's claim, this worker and the wake id it was handed to (a forged or
+    def _take_handed(self, *, returning: bool = False) -> list[Claimed]:
+        """Take what wake-ups said publishes handed to this consumer: a statement each,
+        fenced on the row's claim, this worker and the wake id it was handed to (a forged or
         replayed wake-up reads nothing). A failure keeps them for the next try (the fence is
         on the wake id they were handed to, so another connection of this loop may take
-        them); meanwhile their leases are not renewed, and lapse if the outage lasts."""
+        them); meanwhile their leases are not renewed, and lapse if the outage lasts.
+        ``returning``: the consumer stops or closes and takes them to hand them back, on the
+        connection it has or not at all (a failure is logged; the leases then lapse)."""
         with self.lock:
             pending, self.handed = self.handed, []
             if not pending:
                 return []
+            conn = self.conn if returning else self.claim_conn()
+            if conn is None or conn.closed:
+                return []  # (returning) the leases lapse
             try:
-                return self.backend.core.take_handed(
-                    self.claim_conn(), [(h.waiter, h.id, h.claim) for h in pending])
+                return self.backend.core.take_handed(conn, pending)
             except (psycopg.Error, DatabaseUnavailable, DatabaseTimeout) as exc:
+                if returning:
+                    log_event("pgjobs.consumer.broken", action="return", error=one_line(exc))
+                    return []
                 self.handed = pending + self.handed
                 self._broken(exc, "take")
                 return []
@@ -634,20 +642,7 @@ class ConsumerLoop:
         """Hand back what was handed to this consumer and not delivered (it stops consuming
         or closes): taken first (only what the fenced take reads back is ours to requeue).
         A failure here is logged by the settle; the leases then lapse."""
-        with self.lock:
-            if not self.handed:
-                return
-            pending, self.handed = self.handed, []
-            conn = self.conn
-            if conn is None or conn.closed:
-                return  # the leases lapse
-            try:
-                rows = self.backend.core.take_handed(
-                    conn, [(h.waiter, h.id, h.claim) for h in pending])
-            except (psycopg.Error, DatabaseUnavailable, DatabaseTimeout) as exc:
-                log_event("pgjobs.consumer.broken", action="return", error=one_line(exc))
-                return
-        self._hand_back(rows)
+        self._hand_back(self._take_handed(returning=True))
 
     def _channel_of(self, queue: str) -> Channel | None:
         """The open channel consuming ``queue`` (None: no consumer of it here any more)."""

@@ -47,6 +47,7 @@ __all__ = [
     "TENANT_HEADER",
     "ClaimResult",
     "Claimed",
+    "Handed",
     "HeldBack",
     "JobId",
     "NewJob",
@@ -156,6 +157,18 @@ class Claimed:
     claim: int
     queue: str
     message: str
+
+
+@dataclass(frozen=True, slots=True)
+class Handed:
+    """What a hand-off's wake-up names: the row and claim a publish took for the consumer
+    listening on wake id ``waiter`` (``waiting.handed_ids`` reads it). Nothing in it is
+    trusted: the consumer delivers only what :meth:`QueueCore.take_handed` reads back."""
+
+    waiter: int
+    id: int
+    claim: int
+    queue: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -646,28 +659,22 @@ class QueueCore:
         return list(row[0]) if row else []
 
     def take_handed(self, conn: psycopg.Connection,
-                    handed: Sequence[tuple[int, int, int]]) -> list[Claimed]:
-        """Read the messages publishes handed to this consumer: ``handed`` holds (wake id,
-        id, claim) as wake-ups named them. Only rows still running under that claim, held by
-        this worker and marked for that wake id are returned (and unmarked): a forged,
-        altered or replayed wake-up returns nothing (0021_trust_boundary.sql). Returned in
-        the order of ``handed``."""
-        if not handed:
-            return []
-        if len(handed) == 1:
+                    handed: Sequence[Handed]) -> list[Claimed]:
+        """Read the messages publishes handed to this consumer, as wake-ups named them: only
+        rows still running under that claim, held by this worker and recorded for that wake
+        id are returned (the record deleted): a forged, altered or replayed wake-up returns
+        nothing (0021_trust_boundary.sql). One statement each (a registration is handed one
+        message; several at once are rare), in the order of ``handed``."""
+        query, keys = positional(self.schema, "waiter_take", 0)
+        cur = RawTimeoutTranslatingCursor(conn)
+        taken: list[Claimed] = []
+        for h in handed:
             # numbered placeholders and text values, as the claim is sent: no parse of the
             # statement's text per call, one prepared statement whatever the ids' sizes
-            ((waiter, job_id, claim),) = handed
-            query, keys = positional(self.schema, "waiter_take_one", 0)
-            values = {"waiter": waiter, "id": job_id, "claim": claim, "worker": self.worker}
-            rows = RawTimeoutTranslatingCursor(conn).execute(
-                query, text_params([values[k] for k in keys])).fetchall()
-        else:
-            rows = conn.execute(self.q["waiter_take"], {
-                "waiters": [h[0] for h in handed], "ids": [h[1] for h in handed],
-                "claims": [h[2] for h in handed], "worker": self.worker}).fetchall()
-        got = {r[0]: Claimed(r[0], r[1], r[2], r[3]) for r in rows}
-        return [got.pop(h[1]) for h in handed if h[1] in got]
+            values = {"waiter": h.waiter, "id": h.id, "claim": h.claim, "worker": self.worker}
+            taken += [Claimed(*r) for r in
+                      cur.execute(query, text_params([values[k] for k in keys])).fetchall()]
+        return taken
 
     def wake_all(self, conn: psycopg.Connection, queues: Sequence[str]) -> None:
         """Tell every consumer of ``queues`` to claim (a wake-up that reached a consumer

@@ -177,26 +177,17 @@ def tighten(declared: Any, given: Any) -> dict[str, Any] | None:
     mine = _parsed(declared)
     theirs = _parsed(given)
     out: dict[str, Any] = {}
-    caps = {c["key"]: c for c in theirs.get("concurrency", [])}
-    own = [c["key"] for c in mine.get("concurrency", [])]
-    merged = [c for key, c in caps.items() if key not in own]
-    for cap in mine.get("concurrency", []):
-        other = caps.get(cap["key"])
-        if other is not None:
-            cap["limit"] = min(cap["limit"], other["limit"])
-            if other["when_busy"] == "fail":
-                cap["when_busy"] = "fail"
-        merged.append(cap)
-    if merged:
-        out["concurrency"] = merged
-    rates = {r["key"]: r for r in theirs.get("rate", [])}
-    own = [r["key"] for r in mine.get("rate", [])]
-    merged = [r for key, r in rates.items() if key not in own]
-    for rate in mine.get("rate", []):
-        other = rates.get(rate["key"])
-        if other is not None:
-            rate["limit"] = min(rate["limit"], other["limit"])
-        merged.append(rate)
-    if merged:
-        out["rate"] = merged
+    for kind in ("concurrency", "rate"):
+        given_by_key = {e["key"]: e for e in theirs.get(kind, [])}
+        own = {e["key"] for e in mine.get(kind, [])}
+        merged = [e for key, e in given_by_key.items() if key not in own]
+        for entry in mine.get(kind, []):
+            other = given_by_key.get(entry["key"])
+            if other is not None:
+                entry["limit"] = min(entry["limit"], other["limit"])
+                if other.get("when_busy") == "fail":  # (caps only: a rate has none)
+                    entry["when_busy"] = "fail"
+            merged.append(entry)
+        if merged:
+            out[kind] = merged
     return out or None

@@ -39,7 +39,7 @@ import re
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
-from .core import ClaimResult, WaitPlan
+from .core import ClaimResult, Handed, WaitPlan
 
 __all__ = ["ARMED", "CONFIRMING", "HAND_OFF", "UNQUIET", "Handed", "Ticket", "Waits",
            "handed_ids"]
@@ -60,18 +60,6 @@ HAND_OFF = "\x1e"
 
 #: A hand-off's payload (0021_trust_boundary.sql): ids and the queue, never the message.
 _HANDED = re.compile(r"\x1e([1-9][0-9]{0,18}) ([0-9]{1,10}):(.+)", re.DOTALL)
-
-
-@dataclass(frozen=True, slots=True)
-class Handed:
-    """What a hand-off's wake-up names: the row and claim a publish took for the consumer
-    listening on wake id ``waiter``. Nothing in it is trusted: the consumer delivers only
-    what its fenced take (``QueueCore.take_handed``) reads back."""
-
-    waiter: int
-    id: int
-    claim: int
-    queue: str
 
 
 def handed_ids(payload: str, waiter: int) -> Handed | None:

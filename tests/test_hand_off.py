@@ -75,10 +75,10 @@ def test_a_publish_hands_its_message_to_the_consumer_it_wakes(
         # The consumer's fenced take reads the message once: a replay reads nothing.
         core = QueueCore(schema, lease_ttl=30, max_attempts=3, worker="hand:1")
         stored = db.execute(f'SELECT message::text FROM "{schema}".pgjobs_job').fetchone()[0]
-        (taken,) = core.take_handed(db, [(waiter, row.id, row.claim)])
+        (taken,) = core.take_handed(db, [row])
         assert (taken.id, taken.claim, taken.queue, taken.message) == (
             row.id, row.claim, QUEUE, stored)
-        assert core.take_handed(db, [(waiter, row.id, row.claim)]) == []
+        assert core.take_handed(db, [row]) == []
     finally:
         producer.release()
 

@@ -16,6 +16,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import kombu
@@ -66,6 +67,25 @@ def _wake_ids(conn: psycopg.Connection[Any], db: psycopg.Connection[Any] | None 
     return {key for key, pid in rows if pid in ours}
 
 
+@contextmanager
+def _idle_consumer(url: str, schema: str, db: psycopg.Connection[Any], name: str,
+                   kind: type[Drainer] = Drainer, **options: Any
+                   ) -> Iterator[tuple[kombu.Connection, Drainer, str]]:
+    """A producer of QUEUE and a consumer of it, registered (idle) before the block: (the
+    producer, the consumer, its application name, unique so that the attacks aim at it)."""
+    producer = _producer(url, schema, QUEUE)
+    app = f"{name}-{uuid.uuid4().hex[:8]}"
+    consumer = kind(url, schema, [QUEUE], app, **options)
+    consumer.start()
+    try:
+        wait_for(lambda: _waiters(db, schema, QUEUE) >= 1, 10, what="the consumer to wait")
+        yield producer, consumer, app
+    finally:
+        consumer.stop_event.set()
+        consumer.join(10)
+        producer.release()
+
+
 class Holding(Drainer):
     """A consumer whose callback holds each message a moment before it acks (the ack is then
     buffered: the row stays 'running' under its claim until the flush)."""
@@ -80,14 +100,10 @@ class Holding(Drainer):
 def test_an_outsider_reads_no_message_and_runs_none_by_notify(
         hand_off: bool, outsider: str, url: str, schema: str,
         db: psycopg.Connection[Any]) -> None:
-    producer = _producer(url, schema, QUEUE)
-    app = f"pgjt-trust-{uuid.uuid4().hex[:8]}"
-    consumer = Holding(url, schema, [QUEUE], app, hand_off=hand_off)
-    consumer.start()
     heard: list[tuple[str, str]] = []
     listening: set[str] = set()
-    try:
-        wait_for(lambda: _waiters(db, schema, QUEUE) >= 1, 10, what="the consumer to wait")
+    with _idle_consumer(url, schema, db, "pgjt-trust", Holding, hand_off=hand_off) as (
+            producer, consumer, app):
         with psycopg.connect(outsider, autocommit=True) as evil:
             # It has no grant: it cannot read a message from the table.
             with pytest.raises(psycopg.errors.InsufficientPrivilege):
@@ -161,10 +177,6 @@ def test_an_outsider_reads_no_message_and_runs_none_by_notify(
                  .fetchone()[0] == 0, 10, what="the acks to land")
         assert db.execute(f'SELECT count(*) FROM "{schema}".pgjobs_dead_letter'
                           ).fetchone()[0] == 0
-    finally:
-        consumer.stop_event.set()
-        consumer.join(10)
-        producer.release()
 
 
 def _old_keys(schema: str) -> list[tuple[str, str]]:
@@ -180,12 +192,7 @@ def test_an_outsider_holding_every_lock_key_stalls_no_publish_or_claim(
     """It holds every advisory key it can compute and every one it reads off pg_locks, and
     cannot lock pgjobs's rows: capped, limited and rate-limited publishes of tenant acme are
     published and run as if it were not there."""
-    producer = _producer(url, schema, QUEUE)
-    app = f"pgjt-locks-{uuid.uuid4().hex[:8]}"
-    consumer = Drainer(url, schema, [QUEUE], app)
-    consumer.start()
-    try:
-        wait_for(lambda: _waiters(db, schema, QUEUE) >= 1, 10, what="the consumer to wait")
+    with _idle_consumer(url, schema, db, "pgjt-locks") as (producer, consumer, app):
         with psycopg.connect(outsider, autocommit=True) as evil:
             for cls, key in _old_keys(schema):
                 assert evil.execute("SELECT pg_try_advisory_lock(hashtext(%s), hashtext(%s))",
@@ -213,10 +220,6 @@ def test_an_outsider_holding_every_lock_key_stalls_no_publish_or_claim(
         assert sorted(b["label"] for b, _ in consumer.got) == \
             sorted([f"m{i}" for i in range(6)] + ["plain"])
         assert consumer.error is None
-    finally:
-        consumer.stop_event.set()
-        consumer.join(10)
-        producer.release()
 
 
 def test_a_publish_waits_for_a_tenant_lock_no_longer_than_lock_timeout(
@@ -410,12 +413,7 @@ def test_made_up_queue_names_in_notifications_cost_no_memory(
     channel and the consumer's own: the consumer keeps no mark, no count and no pending take
     for any of them (each would be memory an outsider fills at will), and still runs a real
     message at once."""
-    producer = _producer(url, schema, QUEUE)
-    app = f"pgjt-flood-{uuid.uuid4().hex[:8]}"
-    consumer = Drainer(url, schema, [QUEUE], app)
-    consumer.start()
-    try:
-        wait_for(lambda: _waiters(db, schema, QUEUE) >= 1, 10, what="the consumer to wait")
+    with _idle_consumer(url, schema, db, "pgjt-flood") as (producer, consumer, app):
         with psycopg.connect(outsider, autocommit=True) as evil:
             channels = [f"pgjobs.{schema}"] + [f"pgjobs.w.{w}"
                                               for w in _wake_ids(evil, db, app)]
@@ -434,7 +432,3 @@ def test_made_up_queue_names_in_notifications_cost_no_memory(
         assert not any(q.startswith("junk-") for q in waits.rearm | waits.pass_on
                        | waits.unserved)
         assert not any(h.queue.startswith("junk-") for h in loop.handed)
-    finally:
-        consumer.stop_event.set()
-        consumer.join(10)
-        producer.release()

@@ -65,44 +65,37 @@ COMMENT ON COLUMN {schema}.pgjobs_handoff.waiter IS
 COMMENT ON COLUMN {schema}.pgjobs_handoff.since IS
     'When it was handed off; records older than 10 minutes are never taken and go.';
 
--- Lock the rows of keys p_keys of class p_class, in bucket order (so two callers that wait
--- never deadlock). p_mode 'try': exclusive, never waiting, returns whether every row was
--- got; 'wait': exclusive; 'share': shared (FOR KEY SHARE: only an exclusive lock conflicts).
--- Waits are bounded by the session's lock_timeout, or 10 s when it has none (restored after).
+-- Lock the rows of keys p_keys of class p_class exclusively, in bucket order (so two callers
+-- that wait never deadlock). p_mode 'try': never waiting, returns whether every row was got;
+-- 'wait': waits for each, bounded by the session's lock_timeout, or by 10 s when it has none
+-- (restored after). The hot paths (the wake trigger's shared lock, the admission's tries, the
+-- claim's barrier) write the one statement out: a call of this function cost a publish
+-- 0.25 ms.
 CREATE OR REPLACE FUNCTION {schema}.pgjobs_lock_v1(p_class text, p_keys text[], p_mode text)
 RETURNS boolean
 LANGUAGE plpgsql AS $$
 DECLARE
     b integer;
-    saved text;
+    saved text := current_setting('lock_timeout');
+    waits boolean := p_mode <> 'try';
 BEGIN
-    IF p_mode = 'try' THEN
-        FOR b IN SELECT DISTINCT hashtext(k) & 1023 FROM unnest(p_keys) AS k
-                  WHERE k IS NOT NULL ORDER BY 1 LOOP
-            PERFORM 1 FROM {schema}.pgjobs_lock AS l
-             WHERE l.class = p_class AND l.bucket = b
-               FOR UPDATE SKIP LOCKED;
-            IF NOT FOUND THEN
-                RETURN false;
-            END IF;
-        END LOOP;
-        RETURN true;
-    END IF;
-    saved := current_setting('lock_timeout');
-    IF saved = '0' THEN
+    IF waits AND saved = '0' THEN
         PERFORM set_config('lock_timeout', '10s', true);
     END IF;
     FOR b IN SELECT DISTINCT hashtext(k) & 1023 FROM unnest(p_keys) AS k
               WHERE k IS NOT NULL ORDER BY 1 LOOP
-        IF p_mode = 'share' THEN
-            PERFORM 1 FROM {schema}.pgjobs_lock AS l
-             WHERE l.class = p_class AND l.bucket = b FOR KEY SHARE;
-        ELSE
+        IF waits THEN
             PERFORM 1 FROM {schema}.pgjobs_lock AS l
              WHERE l.class = p_class AND l.bucket = b FOR UPDATE;
+        ELSE
+            PERFORM 1 FROM {schema}.pgjobs_lock AS l
+             WHERE l.class = p_class AND l.bucket = b FOR UPDATE SKIP LOCKED;
+            IF NOT FOUND THEN
+                RETURN false;
+            END IF;
         END IF;
     END LOOP;
-    IF saved = '0' THEN
+    IF waits AND saved = '0' THEN
         PERFORM set_config('lock_timeout', saved, true);
     END IF;
     RETURN true;

@@ -24,33 +24,15 @@ SELECT coalesce((SELECT array_agg(queue) FROM gone), '{{}}'::text[]),
 SELECT pg_notify(%(channel)s, q) FROM unnest(%(queues)s::text[]) AS q;
 
 -- name: waiter_take :many
--- A consumer takes the messages publishes handed it (0021_trust_boundary.sql): each named by a
--- wake-up's ids, read only if its hand-off record names that claim and one of this consumer's
+-- A consumer takes a message a publish handed it (0021_trust_boundary.sql), named by a
+-- wake-up's ids: read only if its hand-off record names that claim and one of this consumer's
 -- own wake ids, and the row is still running under that claim, held by this consumer's
 -- worker. The record is deleted, so a replayed wake-up finds nothing, and a forged or altered
--- one never matched. Returns (id, claim, queue, message) of the rows taken. Read by primary
--- key. The record is unlogged and the commit is not flushed (synchronous_commit off): the
--- claim it reads was durable when the publish committed, and a record that a crash loses
--- names a session that died with the server.
-WITH quick AS (
-    SELECT set_config('synchronous_commit', 'off', true) AS off
-), taken AS (
-    DELETE FROM {schema}.pgjobs_handoff AS h
-     WHERE h.job_id = ANY (%(ids)s::bigint[])
-       AND (h.job_id, h.claim, h.waiter) IN (
-            SELECT * FROM unnest(%(ids)s::bigint[], %(claims)s::int[], %(waiters)s::bigint[]))
-       AND (SELECT off FROM quick) IS NOT NULL
-    RETURNING h.job_id, h.claim
-)
-SELECT j.id, j.claim, j.queue, j.message::text
-  FROM taken
-  JOIN {schema}.pgjobs_job AS j ON j.id = taken.job_id AND j.claim = taken.claim
- WHERE j.state = 'running' AND j.worker = %(worker)s;
-
--- name: waiter_take_one :many
--- waiter_take of one hand-off (the usual case: a registration is handed one message), with
--- scalar parameters: its generic plan is chosen after the first executions (the array form is
--- planned anew on every execution, 0.16 ms, more than its run), so it costs one round trip.
+-- one never matched. Returns (id, claim, queue, message), or nothing. Read by primary key,
+-- with scalar parameters: a generic plan is reused (an array form was planned anew on every
+-- execution, 0.16 ms, more than its run). The record is unlogged and the commit is not
+-- flushed (synchronous_commit off): the claim it reads was durable when the publish
+-- committed, and a record that a crash loses names a session that died with the server.
 WITH quick AS (
     SELECT set_config('synchronous_commit', 'off', true) AS off
 ), taken AS (
