@@ -432,3 +432,29 @@ def test_made_up_queue_names_in_notifications_cost_no_memory(
         assert not any(q.startswith("junk-") for q in waits.rearm | waits.pass_on
                        | waits.unserved)
         assert not any(h.queue.startswith("junk-") for h in loop.handed)
+
+
+def test_a_hand_off_whose_consumer_backend_is_terminated_runs_once(
+        url: str, schema: str, db: psycopg.Connection[Any]) -> None:
+    """A real fault on the take's path: the consumer's backend is terminated right after a
+    publish hands it a message (before, while or after the take: each round lands somewhere
+    else). The message runs exactly once and its ack lands: a hand-off whose take failed is
+    taken on the reconnected session (its record names the old wake id, still this
+    consumer's), and one whose notification died with the session comes back when its lease
+    lapses."""
+    with _idle_consumer(url, schema, db, "pgjt-cut", lease_ttl=2.0,
+                        idle_poll_interval=1.0) as (producer, consumer, app):
+        q = producer.SimpleQueue(QUEUE)
+        for i in range(5):
+            wait_for(lambda: _waiters(db, schema, QUEUE) >= 1, 15, what="registered again")
+            q.put({"n": i})
+            time.sleep(0.001 * i)  # a little later each round
+            db.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                       "WHERE application_name = %s", [app])
+            wait_for(lambda i=i: len(consumer.got) == i + 1, 15, what=f"message {i}")
+        wait_for(lambda: db.execute(f'SELECT count(*) FROM "{schema}".pgjobs_job')
+                 .fetchone()[0] == 0, 15, what="every ack to land")
+        time.sleep(2.5)  # a lease's time: nothing comes back a second time
+        assert [b["n"] for b, _ in consumer.got] == list(range(5))
+        assert consumer.error is None
+    assert db.execute(f'SELECT count(*) FROM "{schema}".pgjobs_dead_letter').fetchone()[0] == 0
