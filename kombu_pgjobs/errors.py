@@ -53,11 +53,13 @@ __all__ = [
     "OutboxNotInstalled",
     "OutboxUnserializable",
     "PermissionDenied",
+    "PoolerUnsupported",
     "PgJobsError",
     "PublishFailed",
     "ScheduleEntryExists",
     "ScheduleEntryNotFound",
     "SchemaTooNew",
+    "ShardUnavailable",
     "StateConflict",
     "TenantMismatch",
     "TenantRequired",
@@ -167,6 +169,23 @@ class PermissionDenied(PgJobsError):
     (``pgjobs roles``, docs/security.md) or connect as another."""
 
     code = "PGJ-111"
+
+
+class PoolerUnsupported(ConfigurationError):
+    """The server forgot a prepared statement this connection made: a transaction pooler
+    (PgBouncer with ``pool_mode = transaction``) sits between this process and PostgreSQL,
+    and the transport's default session mode (prepared statements, LISTEN) cannot work
+    through it. Set the transport option ``use_listen_notify=False`` (no prepared statements,
+    polling; docs/operations.md, PgBouncer), or pool in session mode."""
+
+    code = "PGJ-112"
+
+
+class ShardUnavailable(PgJobsError):
+    """The database of a shard could not be reached: only the publishes, claims and settles of
+    that shard's queues fail; the other databases' queues go on (docs/sharding.md)."""
+
+    code = "PGJ-113"
 
 
 class InvalidLimit(PgJobsError):
