@@ -47,10 +47,6 @@ from .unconfirmed import Unconfirmed
 __all__ = ["CLAIM_SESSION", "Backend", "add_settle_listener", "backend_for", "release_all",
            "settle_listeners"]
 
-#: how far claim numbers move up on a new WAL timeline: more claims of one message than a
-#: failover can lose (claim numbers are 32-bit: about 2,000 failovers of room)
-EPOCH_STEP = 1 << 20
-
 log = logging.getLogger("kombu_pgjobs")
 
 _backends: dict[tuple[str, TransportOptions], Backend] = {}
@@ -191,14 +187,13 @@ class Backend:
         return conn
 
     def fence_epoch(self, conn: psycopg.Connection[Any]) -> None:
-        """Before anything is claimed on a new connection: if the server is on a WAL timeline
-        the schema has not seen (a promoted standby, a restore from backup), move every claim
-        number up, once, so none the old primary handed out can be handed out again (see
-        0014_failover_fence.sql). One primary-key read when nothing changed."""
-        moved = conn.execute(self.core.q["epoch_fence"], {"step": EPOCH_STEP},
-                             prepare=False).fetchone()
-        if moved and moved[0]:
-            log_event("pgjobs.epoch.fenced", rows=int(moved[0]), step=EPOCH_STEP)
+        """On a new connection: if the server started since claim numbers were last fenced (a
+        restart, a promoted standby, a restore), move their base up, once, so none handed out
+        before can be handed out again (0022_outage_leases.sql; the claim would do it too,
+        this logs it: PGJ-213). One row read when nothing changed."""
+        row = conn.execute(self.core.q["epoch_fence"], prepare=False).fetchone()
+        if row and row[0] and row[1] is not None:
+            log_event("pgjobs.epoch.fenced", base=int(row[1]))
 
     def ensure_schema(self, conn: psycopg.Connection[Any]) -> None:
         """Migrate on first connect of this process unless auto_migrate is off."""
@@ -644,6 +639,13 @@ class Keeper(threading.Thread):
         # acked and stopped draining, a flush that failed), a little later so the two rarely
         # race.
         self.ack_grace = max(0.05, 10 * backend.options.ack_flush_interval)
+        # Since when (monotonic) this keeper has reached the database without a break: a
+        # failed tick, a new connection or a gap between ticks longer than two intervals (a
+        # stall) starts it again. It judges other processes gone (rescues their lapsed leases,
+        # drops their consumer rows, expires queues) only after a full lease of it: an outage
+        # longer than a lease is nobody's lapse (docs/delivery.md).
+        self.reachable_since: float | None = None
+        self._last_ok: float | None = None
 
     def run(self) -> None:
         b = self.backend
@@ -682,6 +684,7 @@ class Keeper(threading.Thread):
                     self.tick()
             except (psycopg.Error, PgJobsError) as exc:  # unreachable database: retry next tick
                 log.warning("pgjobs.keeper.error %s", exc, extra={"action": "keeper"})
+                self.reachable_since = self._last_ok = None
                 if self._conn is not None:
                     self._conn.close()
                     self._conn = None
@@ -698,16 +701,32 @@ class Keeper(threading.Thread):
 
     def connection(self) -> psycopg.Connection[Any]:
         if self._conn is None or self._conn.closed:
+            self.reachable_since = self._last_ok = None  # a new connection: a new count
             self._conn = self.backend.connect()
         return self._conn
 
+    def may_judge(self, now: float) -> bool:
+        """Whether this keeper reached the database for a full lease without a break (counted
+        from the start of this tick, which must follow the last good one closely)."""
+        interval = self.backend.options.tick_interval
+        if self._last_ok is None or now - self._last_ok > 2 * interval + 1.0:
+            self.reachable_since = now
+        assert self.reachable_since is not None
+        return now - self.reachable_since >= self.backend.options.lease_ttl
+
     def tick(self) -> None:
         b = self.backend
+        started = time.monotonic()
         conn = self.connection()
         core = b.core
+        # Every statement of a tick ends well within a lease: a statement_timeout longer than
+        # the lease (60 s by default against 30 s) must not let a stuck tick outlast the leases
+        # it renews.
+        bound = b.options.lease_ttl / 2
+        fleet = self.may_judge(started)
         held = b.held_pairs()
         if held:  # first: nothing else in the tick may hold up a renewal
-            alive = core.renew(conn, held)
+            alive = core.renew(conn, held, timeout=bound)
             lost = b.lost(held, alive)
             if lost:
                 b.forget(lost)
@@ -724,7 +743,9 @@ class Keeper(threading.Thread):
                 if conn.closed or conn.broken:
                     raise
         outcomes = core.maintain(conn, consumed=list(b.consumed), held=len(b.held),
-                                 grace=3 * b.options.tick_interval)
+                                 grace=3 * b.options.tick_interval, fleet=fleet,
+                                 timeout=bound)
+        self._last_ok = time.monotonic()
         for outcome, job_id, queue in outcomes:
             if outcome == "release":  # slots whose holder is gone: free them, wake waiters
                 core.release_orphans(conn)
@@ -739,3 +760,5 @@ class Keeper(threading.Thread):
                 log_event("pgjobs.lease.rescued", logging.INFO, job_id=job_id, queue=queue)
             elif outcome == "queue_expired":
                 log_event("pgjobs.queue.expired", logging.INFO, queue=queue)
+            elif outcome == "queue_missing" and core.redeclare(conn, queue):
+                log_event("pgjobs.queue.redeclared", queue=queue)

@@ -8,6 +8,7 @@ the row and its NOTIFY are committed together; when it rolls back, neither exist
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -411,8 +412,7 @@ class _Watchdog:
         self.timeout = timeout
         self.done = threading.Event()
         self.lock = threading.Lock()
-        self.thread = threading.Thread(target=self._run, name="pgjobs-vacuum-watchdog",
-                                       daemon=True)
+        self.thread = threading.Thread(target=self._run, name="pgjobs-watchdog", daemon=True)
 
     def _run(self) -> None:
         wait = self.timeout
@@ -436,6 +436,11 @@ class _Watchdog:
         self.thread.join(10)
 
 
+def _bounded(conn: psycopg.Connection[Any], timeout: float | None) -> Any:
+    """A block whose statements are cancelled after ``timeout`` seconds (none: unbounded)."""
+    return _Watchdog(conn, timeout) if timeout else contextlib.nullcontext()
+
+
 class QueueCore:
     """Statements on the job tables of one schema."""
 
@@ -445,6 +450,10 @@ class QueueCore:
         #: this process (host:pid): the lease holder's name and its counter shard
         self.worker = worker or f"{socket.gethostname()}:{os.getpid()}"
         self.lease_ttl = lease_ttl
+        #: queues this process declared and bound, by name: what the keeper declares again if
+        #: a consumed queue is found dropped (declare_queue's arguments; bind's rows)
+        self.declared: dict[str, dict[str, Any]] = {}
+        self.bound: dict[str, set[tuple[str, str, str, str]]] = {}
         #: registrations ask for the message a publish wakes them for (0018_hand_off.sql)
         self.hand_off = hand_off
         self.max_attempts = max_attempts
@@ -775,22 +784,32 @@ class QueueCore:
             "error": Jsonb(dict(error)) if error else None,
         }).fetchall()}
 
-    def renew(self, conn: psycopg.Connection, pairs: Sequence[Pair]) -> set[int]:
-        """Fenced lease renewal; returns the ids still held."""
+    def renew(self, conn: psycopg.Connection, pairs: Sequence[Pair], *,
+              timeout: float | None = None) -> set[int]:
+        """Fenced lease renewal (a lapsed lease still running under its claim is revived);
+        returns the ids still held. ``timeout``: seconds after which the statement is
+        cancelled (QueryCanceled), whatever the session's statement_timeout."""
         ids, claims = _pairs(pairs)
-        return {r[0] for r in conn.execute(self.q["job_renew"], {
-            "ids": ids, "claims": claims, "ttl": self.lease_ttl}).fetchall()}
+        with _bounded(conn, timeout):
+            return {r[0] for r in conn.execute(self.q["job_renew"], {
+                "ids": ids, "claims": claims, "ttl": self.lease_ttl}).fetchall()}
 
     def maintain(self, conn: psycopg.Connection, *, consumed: Sequence[str], grace: float,
-                 held: int = 0, limit: int = 1000,
-                 vacuum_after: int = 5000) -> list[tuple[str, int | None, str]]:
+                 fleet: bool = True, held: int = 0, limit: int = 1000,
+                 vacuum_after: int = 5000,
+                 timeout: float | None = None) -> list[tuple[str, int | None, str]]:
         """The keeper's tick: rescue or bury lapsed leases, drop expired messages and queues,
-        mark consumed queues in use. Returns [(outcome, id, queue)]."""
-        rows = conn.execute(self.q["job_maintain"], {
-            "limit": limit, "max_attempts": self.max_attempts, "channel": self.channel,
-            "consumed": list(consumed), "grace": grace, "worker": self.worker, "held": held,
-            "vacuum_after": vacuum_after,
-        }).fetchall()
+        mark consumed queues in use. ``fleet``: this keeper has reached the database for a
+        full lease without a break, so it may judge other processes gone (rescue their lapsed
+        leases, drop their consumer rows, expire queues); see job_maintain. Returns
+        [(outcome, id, queue)]."""
+        with _bounded(conn, timeout):
+            rows = conn.execute(self.q["job_maintain"], {
+                "limit": limit, "max_attempts": self.max_attempts, "channel": self.channel,
+                "consumed": list(consumed), "grace": grace, "worker": self.worker,
+                "held": held, "vacuum_after": vacuum_after, "fleet": fleet,
+                "ttl": self.lease_ttl,
+            }).fetchall()
         return [(r[0], r[1], r[2]) for r in rows]
 
     # -- queues and bindings -------------------------------------------------------------
@@ -798,9 +817,22 @@ class QueueCore:
                       expires_ms: int | None = None, message_ttl_ms: int | None = None,
                       max_priority: int | None = None, auto_delete: bool = False) -> None:
         validate_queue_name(name)
-        conn.execute(self.q["queue_declare"], {
-            "name": name, "expires_ms": expires_ms, "message_ttl_ms": message_ttl_ms,
-            "max_priority": max_priority, "auto_delete": auto_delete})
+        declared = {"name": name, "expires_ms": expires_ms, "message_ttl_ms": message_ttl_ms,
+                    "max_priority": max_priority, "auto_delete": auto_delete}
+        conn.execute(self.q["queue_declare"], declared)
+        self.declared[name] = declared
+
+    def redeclare(self, conn: psycopg.Connection, name: str) -> bool:
+        """Declare again a queue this process declared (and bind it as it did), found dropped
+        while it consumes it (the keeper's ``queue_missing``). False: this process never
+        declared it, nothing done."""
+        declared = self.declared.get(name)
+        if declared is None:
+            return False
+        conn.execute(self.q["queue_declare"], declared)
+        for exchange, exchange_type, routing_key, pattern in sorted(self.bound.get(name, ())):
+            self.bind(conn, exchange, exchange_type, routing_key, pattern, name)
+        return True
 
     def queue_exists(self, conn: psycopg.Connection, name: str) -> bool:
         row = conn.execute(self.q["queue_exists"], {"name": name}).fetchone()
@@ -808,6 +840,8 @@ class QueueCore:
 
     def delete_queue(self, conn: psycopg.Connection, name: str) -> None:
         conn.execute(self.q["queue_delete"], {"name": name})
+        self.declared.pop(name, None)
+        self.bound.pop(name, None)
 
     def purge(self, conn: psycopg.Connection, queue: str) -> int:
         row = conn.execute(self.q["job_purge"], {"queue": queue}).fetchone()
@@ -822,11 +856,16 @@ class QueueCore:
         conn.execute(self.q["binding_add"], {
             "exchange": exchange, "exchange_type": exchange_type,
             "routing_key": routing_key or "", "pattern": pattern or "", "queue": queue})
+        self.bound.setdefault(queue, set()).add(
+            (exchange, exchange_type, routing_key or "", pattern or ""))
 
     def unbind(self, conn: psycopg.Connection, exchange: str, routing_key: str,
                queue: str) -> None:
         conn.execute(self.q["binding_remove"], {
             "exchange": exchange, "routing_key": routing_key or "", "queue": queue})
+        bound = self.bound.get(queue)
+        if bound:
+            bound -= {b for b in bound if b[0] == exchange and b[2] == (routing_key or "")}
 
     def binding_table(self, conn: psycopg.Connection,
                       exchange: str) -> tuple[list[tuple[str, str, str]], str | None]:

@@ -53,10 +53,13 @@ EVENTS: dict[str, tuple[str, str]] = {
         "PGJ-212", "a fenced requeue, reject or hand-back failed on a fresh connection too: "
         "its leases are no longer renewed, so the messages come back when they lapse"),
     "pgjobs.epoch.fenced": (
-        "PGJ-213", "the server is on a new WAL timeline (a promoted standby, a restore from "
-        "backup): every claim number was moved up once, so none handed out before can be "
-        "handed out again; messages running at the failover miss their fence and come back "
-        "when their leases lapse"),
+        "PGJ-213", "the server started since claim numbers were last fenced (a restart, a "
+        "promoted standby, a restore from backup or snapshot): their base moved up once, so "
+        "no claim number handed out before can be handed out again; messages running across "
+        "it keep their numbers"),
+    "pgjobs.queue.redeclared": (
+        "PGJ-214", "a queue this process consumes was found dropped (an operator, or a keeper "
+        "of an older version): it was declared again with the bindings this process made"),
     "pgjobs.limit.woken": (
         "PGJ-305", "a message parked on a concurrency key with no running holder was woken "
         "by the keeper's safety net"),

@@ -111,6 +111,24 @@ class PrivateServer:
         self._run("pg_ctl", "-D", str(self.data), "-w", "-t", "30", "-m", "immediate",
                   "stop")
 
+    def snapshot(self) -> Path:
+        """A copy of the data directory taken now, as a storage snapshot would be (the server
+        keeps running: the copy is crash-consistent only if nothing writes meanwhile; stop the
+        server first for a clean one)."""
+        target = self.base / f"snapshot-{time.monotonic_ns()}"
+        subprocess.run(["cp", "-a", str(self.data), str(target)], check=True)
+        # the running server's lock file: its PID may still exist (unreaped) after a halt
+        (target / "postmaster.pid").unlink(missing_ok=True)
+        return target
+
+    def restore(self, snapshot: Path) -> None:
+        """Stop at once and start again from ``snapshot`` (:meth:`snapshot`): every commit
+        made since it was taken is gone, as after a restore from a storage snapshot."""
+        self.halt()
+        shutil.rmtree(self.data)
+        subprocess.run(["cp", "-a", str(snapshot), str(self.data)], check=True)
+        self.start()
+
     def promote(self) -> None:
         """A standby becomes a primary (a new timeline) and accepts writes."""
         self._run("pg_ctl", "-D", str(self.data), "-w", "-t", "60", "promote")

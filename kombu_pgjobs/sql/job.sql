@@ -123,6 +123,13 @@ WITH given AS (
     SELECT queue, 'acked', date_trunc('minute', now()), %(worker)s, count(*)
       FROM acked GROUP BY queue
     ON CONFLICT (queue, outcome, bucket, shard) DO UPDATE SET n = c.n + excluded.n
+), epoch AS MATERIALIZED (
+    -- The failover fence (0022_outage_leases.sql): claims number their rows above this base,
+    -- moved up once per server start by pgjobs_fence_epoch_v2, which is called only when the
+    -- recorded start is not this server's (one row read otherwise).
+    SELECT coalesce((SELECT e.base FROM {schema}.pgjobs_epoch AS e
+                      WHERE e.id AND e.started = pg_postmaster_start_time()),
+                    {schema}.pgjobs_fence_epoch_v2()) AS base
 ), candidates AS (
     -- Per queue (so each queue's index order is used), the best due rows nobody holds: from
     -- the claim index (rows not flagged delayed, read in claim order), and from the delayed
@@ -163,7 +170,9 @@ WITH given AS (
     -- parked, deferred or refused by the function itself (see 0003_limits.sql and
     -- 0005_admit_mixed_caps.sql).
     SELECT c.id, CASE WHEN c.limits IS NOT NULL
-                      THEN {schema}.pgjobs_admit_v2(c.id, c.claim + 1, c.queue, c.limits,
+                      THEN {schema}.pgjobs_admit_v2(c.id,
+                                                    greatest(c.claim, (SELECT base FROM epoch)) + 1,
+                                                    c.queue, c.limits,
                                                     %(channel)s, %(worker)s,
                                                     (SELECT array_agg(o.id)
                                                        FROM candidates AS o))
@@ -178,7 +187,7 @@ WITH given AS (
     UPDATE {schema}.pgjobs_job AS j
        SET state = 'running',
            delayed = false,
-           claim = j.claim + 1,
+           claim = greatest(j.claim, (SELECT base FROM epoch)) + 1,
            attempts = j.attempts + 1,
            lease_expires_at = now() + make_interval(secs => %(ttl)s),
            worker = %(worker)s
@@ -336,13 +345,14 @@ SELECT id, queue, priority, task, claim, attempts, max_attempts, %(reason)s, %(e
 RETURNING id;
 
 -- name: job_renew :many
--- Fenced lease renewal of every message this process holds. A lapsed lease is not revived:
--- once it lapsed, the message belongs to whoever claims it next.
+-- Fenced lease renewal of every message this process holds. A lapsed lease is revived while
+-- the row is still running under the holder's claim number: nobody else can hold it (a rescue
+-- puts it back to ready, and any later claim numbers it anew), and the holder may only have
+-- been unable to reach the database (an outage longer than the lease: docs/delivery.md).
 UPDATE {schema}.pgjobs_job AS j
    SET lease_expires_at = now() + make_interval(secs => %(ttl)s)
   FROM unnest(%(ids)s::bigint[], %(claims)s::int[]) AS h(id, claim)
  WHERE j.id = h.id AND j.claim = h.claim AND j.state = 'running'
-   AND j.lease_expires_at > now()
 RETURNING j.id;
 
 -- name: job_maintain :many
@@ -353,7 +363,8 @@ RETURNING j.id;
 --  * delayed rows of the queues this process consumes that are now due are moved into the
 --    claim index (their delayed flag cleared; see 0006_delayed.sql);
 --  * queues this process consumes are marked in use (x-expires), and the process is recorded
---    as a live consumer (pgjobs_consumer; rows unseen for 3 ticks are dropped);
+--    as a live consumer (pgjobs_consumer; rows unseen for 3 ticks are dropped); a consumed
+--    queue found undeclared is returned ('queue_missing') for the keeper to declare again;
 --  * queues unused past their x-expires (at least %(grace)s seconds, so a live consumer's touch
 --    always lands first) are dropped with their bindings and ready messages;
 --  * limits: a key with parked rows and no running holder gets one row woken (a safety net:
@@ -363,10 +374,19 @@ RETURNING j.id;
 --    released here: a release waits for key locks, which must not happen while this statement
 --    holds lapsed rows' locks. A 'release' row says job_release_orphans has work.
 -- Each step is bounded by %(limit)s rows. Returns (outcome, id, queue) rows for logging.
-WITH lapsed AS (
+-- What judges other processes gone — lapsed leases, consumers unseen, queues unused — waits
+-- until they had a full lease (%(ttl)s s) of reachable database time to show they are not:
+-- %(fleet)s says this keeper has reached the database for that long without a break, and the
+-- server must have run that long (an outage longer than a lease is nobody's lapse; see
+-- docs/delivery.md). Until then a tick renews, settles and upkeeps only.
+WITH fleet AS MATERIALIZED (
+    SELECT %(fleet)s::boolean
+           AND pg_postmaster_start_time() < now() - make_interval(secs => %(ttl)s) AS judge
+), lapsed AS (
     SELECT j.id, j.limit_key IS NOT NULL AS limited
       FROM {schema}.pgjobs_job AS j
      WHERE j.state = 'running' AND j.lease_expires_at < now()
+       AND (SELECT judge FROM fleet)
      ORDER BY j.lease_expires_at
      LIMIT %(limit)s
        FOR UPDATE SKIP LOCKED
@@ -463,11 +483,18 @@ WITH lapsed AS (
      WHERE name = ANY(%(consumed)s::text[]) AND expires_ms IS NOT NULL
     RETURNING name
 ), gone AS (
-    DELETE FROM {schema}.pgjobs_queue
-     WHERE expires_ms IS NOT NULL
-       AND last_used_at < now() - make_interval(secs => greatest(expires_ms / 1000.0, %(grace)s))
-       AND NOT name = ANY(%(consumed)s::text[])
-    RETURNING name
+    -- Unused past x-expires, counted from the server's start at the earliest (time it was
+    -- down is no one's disuse), and consumed by no live consumer (a consumer's row names its
+    -- queues: Celery's pidbox queue of a worker that lives is never dropped).
+    DELETE FROM {schema}.pgjobs_queue AS q
+     WHERE q.expires_ms IS NOT NULL
+       AND greatest(q.last_used_at, pg_postmaster_start_time())
+           < now() - make_interval(secs => greatest(q.expires_ms / 1000.0, %(grace)s))
+       AND NOT q.name = ANY(%(consumed)s::text[])
+       AND (SELECT judge FROM fleet)
+       AND NOT EXISTS (SELECT 1 FROM {schema}.pgjobs_consumer AS c
+                        WHERE q.name = ANY(c.queues))
+    RETURNING q.name
 ), gone_bindings AS (
     DELETE FROM {schema}.pgjobs_binding WHERE queue IN (SELECT name FROM gone)
 ), gone_jobs AS (
@@ -480,8 +507,15 @@ WITH lapsed AS (
        SET queues = excluded.queues, held = excluded.held, last_seen_at = now()
 ), unseen AS (
     DELETE FROM {schema}.pgjobs_consumer
-     WHERE last_seen_at < now() - make_interval(secs => %(grace)s)
+     WHERE greatest(last_seen_at, pg_postmaster_start_time())
+           < now() - make_interval(secs => %(grace)s)
        AND worker <> %(worker)s
+       AND (SELECT judge FROM fleet)
+), missing AS (
+    -- Queues this process consumes that are not declared (dropped by an older keeper, or by an
+    -- operator): the keeper declares them again, with the bindings this process made.
+    SELECT c.name FROM unnest(%(consumed)s::text[]) AS c(name)
+     WHERE NOT EXISTS (SELECT 1 FROM {schema}.pgjobs_queue AS q WHERE q.name = c.name)
 ), settled AS (
     SELECT queue, 'rescued' AS outcome FROM requeued
     UNION ALL SELECT queue, 'dead' FROM dead
@@ -510,6 +544,8 @@ UNION ALL
 SELECT 'expired', id, queue, false FROM expired
 UNION ALL
 SELECT 'queue_expired', NULL, name, false FROM gone
+UNION ALL
+SELECT 'queue_missing', NULL, name, false FROM missing
 UNION ALL
 -- A server running without autovacuum would let a queue table's dead rows pile up without end
 -- (every message is inserted, updated and deleted): then the keeper vacuums it itself.
@@ -550,7 +586,9 @@ SELECT count(*) FROM {schema}.pgjobs_job
    AND (expires_at IS NULL OR expires_at > now());
 
 -- name: epoch_fence :one
--- On a new connection, before any claim: a WAL timeline this schema has not seen (a promoted
--- standby, a restore) moves every claim number up by %(step)s, once (0014_failover_fence.sql).
--- Returns the rows moved; 0 (one primary-key read) when the timeline is known.
-SELECT {schema}.pgjobs_fence_epoch_v1(%(step)s::int);
+-- On a new connection: a server start this schema has not fenced (a restart, a promoted
+-- standby, a restore) moves the claim numbers' base up, once (0022_outage_leases.sql; a claim
+-- would do it too). Returns whether this server's start was new to the schema, and the base.
+SELECT (SELECT e.started = pg_postmaster_start_time()
+          FROM {schema}.pgjobs_epoch AS e WHERE e.id) IS NOT TRUE AS fenced,
+       {schema}.pgjobs_fence_epoch_v2() AS base;

@@ -1,0 +1,193 @@
+"""Outages longer than a lease (issue 29): nothing re-run, the control plane intact, a fence
+that costs nothing and fences every server start.
+
+The broker is a private server (tests/pgserver.py) that the test stops for longer than the
+workers' lease; the tasks record what they did in the shared test database, which stays up, so
+a task can finish during the outage and its ack wait in the worker. Counts are read back from
+both databases: starts and completions per label, rows left in the job table.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from kombu import Connection
+
+from kombu_pgjobs.core import QueueCore
+from tests.conftest import import_app, wait_for
+from tests.pgserver import PrivateServer, require_bindir
+
+# exclusive (tests/conftest.py): timing bounds of a few seconds around a lease of 6 s
+pytestmark = [pytest.mark.e2e, pytest.mark.exclusive]
+
+LEASE = 6.0  # the workers' lease_ttl: a keeper tick every 2 s
+
+
+@pytest.fixture
+def server() -> Iterator[PrivateServer]:
+    s = PrivateServer(require_bindir())
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+def _one(dsn: str, query: str) -> Any:
+    with psycopg.connect(dsn, autocommit=True, connect_timeout=5) as db:
+        row = db.execute(query).fetchone()
+        return row[0] if row else None
+
+
+def _publish(url: str, schema: str, calls: list[tuple[str, tuple[Any, ...]]]) -> None:
+    from celery import Celery
+
+    app = Celery("outage", broker=url)
+    app.conf.broker_transport_options = {"schema": schema}
+    with Connection(url, transport_options={"schema": schema}) as conn:
+        producer = app.amqp.Producer(conn, auto_declare=True)
+        for task, args in calls:
+            app.send_task(task, args=args, producer=producer)
+
+
+def _env(server: PrivateServer, **extra: str) -> dict[str, str]:
+    return {"PGJOBS_TEST_BROKER": server.url, "PGJOBS_TEST_LEASE_TTL": str(LEASE),
+            "PGJOBS_TEST_PREFETCH": "2", **extra}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pool", ["prefork", "threads"])
+def test_a_server_stopped_for_longer_than_the_lease_reruns_nothing(
+        server, dsn, schema, recorder_tables, start_worker, pool):
+    """Two workers (lease 6 s) run 4 tasks of 20 s and 4 of 4 s, with 4 more prefetched; the
+    broker's server is stopped for 9 s (1.5 leases) once all eight run. The short ones finish
+    during the outage (their acks wait in the workers), the long ones after it. Every task
+    starts once and completes once, the acks of those that finished in the outage land, and
+    the job table empties: no lease lapsed for time its holder could not reach the database."""
+    env = _env(server)
+    workers = [start_worker(name=f"w{i}", pool=pool, concurrency=4, env=env) for i in (1, 2)]
+    calls = [("sleep_record", (f"long{i}", 20.0)) for i in range(4)]
+    calls += [("sleep_record", (f"short{i}", 4.0)) for i in range(4)]
+    calls += [("sleep_record", (f"queued{i}", 1.0)) for i in range(4)]
+    _publish(server.url, schema, calls)
+    starts = f'SELECT count(*) FROM "{schema}".pgjobs_test_start'
+    wait_for(lambda: _one(dsn, starts) >= 8, 60, what="eight tasks to start")
+    server.halt()
+    time.sleep(1.5 * LEASE)
+    server.start()
+    runs = f'SELECT count(DISTINCT label) FROM "{schema}".pgjobs_test_run'
+    wait_for(lambda: _one(dsn, runs) == len(calls), 90, interval=0.5,
+             what="every task to complete")
+    wait_for(lambda: _one(server.dsn, f'SELECT count(*) FROM "{schema}".pgjobs_job') == 0,
+             30, what="the job table to empty (every ack landed)")
+    time.sleep(LEASE)  # a second start would come after a lapse: give it the time
+    twice = _one(dsn, f'SELECT string_agg(label, \', \') FROM (SELECT label FROM "{schema}".'
+                      "pgjobs_test_start GROUP BY label HAVING count(*) > 1) t")
+    assert twice is None, f"started a second time: {twice}"
+    assert _one(dsn, starts) == len(calls)
+    assert _one(dsn, f'SELECT count(*) FROM "{schema}".pgjobs_test_run') == len(calls)
+    dead = _one(server.dsn, f'SELECT count(*) FROM "{schema}".pgjobs_dead_letter')
+    assert dead == 0
+    for w in workers:
+        assert w.proc.poll() is None, w.output()[-3000:]
+        out = w.output()
+        assert "pgjobs.lease.rescued" not in out and "PGJ-204" not in out, out[-3000:]
+
+
+@pytest.mark.slow
+def test_remote_control_answers_from_both_workers_after_a_40s_stop(
+        server, schema, recorder_tables, start_worker):
+    """Two workers, the broker's server stopped 40 s (many leases, and four times the pidbox
+    queues' x-expires): afterwards `inspect ping` answers from both, and no keeper dropped
+    the other's live pidbox queue (none had to be declared again)."""
+    env = _env(server)
+    workers = [start_worker(name=f"w{i}", env=env) for i in (1, 2)]
+    app = import_app("tests.apps.recorder", schema, server.url,
+                     PGJOBS_TEST_LEASE_TTL=str(LEASE)).app
+
+    def pinged() -> set[str]:
+        return {name.split("@")[0] for reply in app.control.ping(timeout=2.0)
+                for name in reply}
+
+    wait_for(lambda: pinged() == {"w1", "w2"}, 30, what="both workers to answer before")
+    server.halt()
+    time.sleep(40)
+    server.start()
+    wait_for(lambda: pinged() == {"w1", "w2"}, 20, interval=1.0,
+             what="both workers to answer after the outage")
+    time.sleep(3 * LEASE)  # keepers that judge others gone have had their time
+    assert pinged() == {"w1", "w2"}
+    app.close()
+    for w in workers:
+        out = w.output()
+        assert "PGJ-205" not in out and "pgjobs.queue.expired" not in out, out[-3000:]
+        assert "pgjobs.queue.redeclared" not in out, out[-3000:]
+
+
+def _claim(dsn: str, schema: str, queue: str) -> tuple[int, int]:
+    core = QueueCore(schema, lease_ttl=30, max_attempts=20, worker="outage-test:1")
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        claimed = core.claim(conn, [queue], 1).claimed
+    assert len(claimed) == 1
+    return claimed[0].id, claimed[0].claim
+
+
+def _settle(dsn: str, schema: str, pair: tuple[int, int], how: str) -> set[int]:
+    core = QueueCore(schema, lease_ttl=30, max_attempts=20, worker="outage-test:1")
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        return core.ack(conn, [pair]) if how == "ack" else core.renew(conn, [pair])
+
+
+def test_a_restore_from_a_storage_snapshot_is_fenced(server, schema):
+    """A server started from a storage snapshot lost a claim it made after the snapshot: the
+    claim number handed out then is never handed out again (the WAL timeline did not change,
+    so version 14's fence saw nothing), the stale holder's ack misses, the new one lands."""
+    with Connection(server.url, transport_options={"schema": schema}) as conn:
+        conn.SimpleQueue("snap").put({"n": 1})
+    snapshot = server.snapshot()
+    stale = _claim(server.dsn, schema, "snap")
+    server.restore(snapshot)  # the claim is gone; the message is ready again
+    fresh = _claim(server.dsn, schema, "snap")
+    assert fresh[0] == stale[0] and fresh[1] > stale[1], (stale, fresh)
+    assert _settle(server.dsn, schema, stale, "ack") == set(), "a stale holder settled"
+    assert _settle(server.dsn, schema, fresh, "ack") == {fresh[0]}
+
+
+def test_the_fence_rewrites_no_row_and_runs_under_a_short_timeout(server, schema):
+    """300,000 messages and statement_timeout = 1 s (version 14's fence rewrote every row in
+    one statement: cancelled, retried by every connection, the fleet never connected). After a
+    restart the first connection and claim succeed under that timeout, no message's claim
+    number moved, and the new claim is above every number before; a message running across the
+    restart keeps its number: its holder's renewal and ack land."""
+    with Connection(server.url, transport_options={"schema": schema}) as conn:
+        q = conn.SimpleQueue("deep")
+        q.put({"n": 0})
+        q.put({"n": 1})
+    running = _claim(server.dsn, schema, "deep")
+    with psycopg.connect(server.dsn, autocommit=True) as db:
+        db.execute(f'INSERT INTO "{schema}".pgjobs_job (queue, message, claim) '
+                   f'SELECT \'deep\', message, (g % 1000) + 1 '
+                   f'FROM "{schema}".pgjobs_job, generate_series(1, 300000) AS g '
+                   f'WHERE id = {running[0]}')
+        db.execute("ALTER SYSTEM SET statement_timeout = '1s'")
+    sums = f'SELECT array[sum(claim), max(claim)] FROM "{schema}".pgjobs_job'
+    before = _one(server.dsn, sums)
+    server.restart()
+    started = time.monotonic()
+    with Connection(server.url, transport_options={"schema": schema,
+                                                   "statement_timeout": 1.0}) as conn:
+        conn.SimpleQueue("other").put({"n": 2})
+        fresh_msg = conn.SimpleQueue("other").get(timeout=10)
+        fresh_msg.ack()
+    took = time.monotonic() - started
+    assert took < 10, f"connecting after the restart took {took:.1f}s"
+    after = _one(server.dsn, sums)
+    assert after == before, "the fence rewrote claim numbers"
+    assert _one(server.dsn, f'SELECT fences FROM "{schema}".pgjobs_epoch') >= 1
+    fresh = _claim(server.dsn, schema, "deep")
+    assert fresh[1] > before[1], (fresh, before)
+    assert _settle(server.dsn, schema, running, "renew") == {running[0]}
+    assert _settle(server.dsn, schema, running, "ack") == {running[0]}
