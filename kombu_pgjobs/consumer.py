@@ -127,6 +127,8 @@ class ConsumerLoop:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
+        # Queues that may have messages: consumed ones only (a name nothing here claims would
+        # stay for good, and wake an idle loop every second: wait_budget)
         self.dirty: set[str] = set()
         self.again = False  # a claim held rows back by a limit: claim again at once
         self.woken = False  # a notification came in with a statement's result
@@ -355,7 +357,7 @@ class ConsumerLoop:
             # the database's CPU while the task it just got starts (measured: a prefork
             # child started 2.4 ms after the hand-off, against 1 ms with the claim later).
             self._due(time.monotonic() + REARM_DELAY)
-        else:
+        elif queue in consumed:  # a dropped registration's wake-up is passed on, not claimed
             self.dirty.add(queue)
         self.woken = True
 
@@ -689,6 +691,10 @@ class ConsumerLoop:
                 self._listen(consuming)
         if self.listening:
             self._tidy_waits()
+        # Marks of queues no longer consumed go: a claim marks its queues to claim again,
+        # and a consumer cancelled meanwhile (a reply queue of `celery inspect`) leaves its
+        # name there, which nothing would ever claim or clear.
+        self.dirty.intersection_update(self.consumed())
         now = time.monotonic()
         if now >= self.next_poll:
             self.dirty.update(self.consumed())
