@@ -27,9 +27,10 @@ work (the only place that decides it is :meth:`ConsumerLoop._broken` and :meth:`
     them on its own connection) and their acks reach the buffer whatever happened here. After
     a backoff (0.1 s doubling to 5 s, reset by a claim that works) the next claim reconnects.
     Errors that no retry can clear (a schema newer than the code, a failed migration, a bad
-    option) are raised, not retried. A broken database connection is therefore not a kombu
-    connection loss: Celery never restarts its consumer for it, so it never drops or
-    re-delivers what it holds.
+    option) are raised, not retried; a transaction pooler found in front in the default mode
+    (:class:`~kombu_pgjobs.errors.PoolerUnsupported`) is raised by every pump after it. A
+    broken database connection is therefore not a kombu connection loss: Celery never restarts
+    its consumer for it, so it never drops or re-delivers what it holds.
 ``closed``
     The kombu connection closed: a channel closing with a claim in flight waits for it and
     hands its rows back (:meth:`ConsumerLoop.channel_closing`); at the connection's close an
@@ -51,7 +52,8 @@ import psycopg
 from psycopg import sql
 
 from .core import Claimed, ClaimResult, Pair
-from .errors import DatabaseTimeout, DatabaseUnavailable, PgJobsError
+from .database import PREPARED_STATEMENT_ERRORS, pooler_error
+from .errors import DatabaseTimeout, DatabaseUnavailable, PgJobsError, PoolerUnsupported
 from .events import log_event, one_line
 from .green import pipe_read, pipe_write, wait_readable
 from .inflight import SUPPORTED, InFlight
@@ -153,6 +155,9 @@ class ConsumerLoop:
         # acks, wait ticket). The claim connection does nothing else meanwhile.
         self.inflight: tuple[InFlight, Channel, list[str], list[Pair], Ticket | None] | None = None
         self.next_channel = 0  # where the next pump starts among the channels (round robin)
+        # A transaction pooler refused this loop's prepared statements: no retry clears it,
+        # every pump raises it (Celery's event loop logs and drops what a timer raises).
+        self.unsupported: PoolerUnsupported | None = None
 
     @property
     def backend(self) -> Backend:
@@ -446,7 +451,19 @@ class ConsumerLoop:
                 return []
             pending, channel, queues, acks, ticket = self.inflight
             timeout = self.options.connect_timeout + self.options.lease_ttl if block else None
-            done = pending.wait(timeout) if block else pending.poll()
+            try:
+                done = pending.wait(timeout) if block else pending.poll()
+            except PREPARED_STATEMENT_ERRORS as exc:  # read here, not by a pgjobs cursor
+                pooler = pooler_error(exc, pending.conn)
+                if pooler is None:
+                    raise
+                # Nothing was claimed (the statement did not run): its acks go back
+                self.inflight = None
+                self.state = State.CONNECTED
+                self.backend.restore_acks(acks)
+                self.dirty.update(queues)
+                self.unsupported = pooler
+                raise pooler from exc
             if not done:
                 if block:
                     raise DatabaseUnavailable("a claim's result did not come in time")
@@ -473,6 +490,8 @@ class ConsumerLoop:
             return
         try:
             rows = self.poll_inflight(block=True)
+        except PoolerUnsupported:
+            raise
         except Exception as exc:
             self._broken(exc, "claim")
             return
@@ -659,7 +678,19 @@ class ConsumerLoop:
         """Claim and deliver for every channel whose window is open enough; flush acks.
         ``on_hub``: a claim is sent and left in flight (one at a time); its rows are delivered
         when its result comes in, by a later call. Database failures never leave this method:
-        they are the ``broken`` transition, retried after a backoff."""
+        they are the ``broken`` transition, retried after a backoff; but a transaction pooler
+        that refuses prepared statements (:class:`PoolerUnsupported`) is raised, then and at
+        every later call."""
+        if self.unsupported is not None:
+            raise self.unsupported
+        try:
+            return self._pump_once(on_hub)
+        except PoolerUnsupported as exc:
+            self.unsupported = exc
+            self.poke()  # raised in a Hub timer it is only logged: the self-pipe raises it again
+            raise
+
+    def _pump_once(self, on_hub: bool) -> int:
         self.again = False
         # First, as they need no statement (even when broken); but never while a claim is in
         # flight: its rows count against the window first (_pump delivers these after them).
@@ -817,6 +848,8 @@ class ConsumerLoop:
         with self.lock:
             try:
                 self.claim_conn()
+            except PoolerUnsupported as exc:
+                self.unsupported = exc  # the first pump raises it
             except (psycopg.Error, PgJobsError) as exc:
                 self._broken(exc, "connect")
         self.hub_rearm()

@@ -5,7 +5,9 @@ Drivers errors are translated here and nowhere else: an unreachable server becom
 ``connection_errors`` so Celery retries as it does for Redis or RabbitMQ; a statement cancelled
 by the ``lock_timeout``/``statement_timeout`` options becomes
 :class:`~kombu_pgjobs.errors.DatabaseTimeout`, a channel error (the connection is fine: no
-reconnect loop).
+reconnect loop); a prepared statement the server does not have (or has from another client)
+becomes :class:`~kombu_pgjobs.errors.PoolerUnsupported`, a configuration error (a transaction
+pooler in front, with the default session mode: no retry can clear it).
 
 Every conninfo built here carries, besides what the URL says:
 
@@ -38,6 +40,7 @@ from .errors import (
     InvalidOption,
     InvalidSSL,
     InvalidURL,
+    PoolerUnsupported,
 )
 from .green import cooperate
 from .options import TransportOptions
@@ -46,11 +49,13 @@ from .url import parse as parse_url
 __all__ = [
     "DEFAULT_EMBEDDED_DB",
     "KEEPALIVES",
+    "PREPARED_STATEMENT_ERRORS",
     "RawTimeoutTranslatingCursor",
     "TimeoutTranslatingCursor",
     "connect",
     "conninfo_from_parts",
     "conninfo_from_url",
+    "pooler_error",
     "ssl_parameters",
     "timeout_error",
 ]
@@ -305,11 +310,21 @@ def _query_ssl(query: str) -> Any:
     return tls or None
 
 
+#: What a server says when its prepared statements are not the connection's: one the connection
+#: prepared is missing (26000), or one of the same name is already there (42P05). Through a
+#: transaction pooler each statement may run on another server connection, shared with other
+#: clients, so psycopg's prepared statements (``_pg3_0``, ``_pg3_1``...) fail this way.
+PREPARED_STATEMENT_ERRORS = (psycopg.errors.InvalidSqlStatementName,
+                             psycopg.errors.DuplicatePreparedStatement)
+
+
 class _TranslatesTimeouts:
     """A statement cancelled by lock_timeout (55P03) or statement_timeout (57014) raises
     :class:`DatabaseTimeout`, a channel error with a code, instead of psycopg's
     ``OperationalError``, which kombu would take for a broken connection (and Celery would
-    reconnect over, in a loop, while the lock is held)."""
+    reconnect over, in a loop, while the lock is held). On a connection that prepares its
+    statements, a prepared statement the server does not have (or has from another client)
+    raises :class:`PoolerUnsupported` (see :func:`pooler_error`)."""
 
     def execute(self, query: Any, params: Any = None, *, prepare: bool | None = None,
                 binary: bool | None = None) -> Any:
@@ -318,16 +333,27 @@ class _TranslatesTimeouts:
                                    prepare=prepare, binary=binary)
         except (psycopg.errors.LockNotAvailable, psycopg.errors.QueryCanceled) as exc:
             raise timeout_error(exc) from exc
+        except PREPARED_STATEMENT_ERRORS as exc:
+            pooler = pooler_error(exc, self.connection)  # type: ignore[attr-defined]
+            if pooler is None:
+                raise
+            raise pooler from exc
 
     def executemany(self, query: Any, params_seq: Any, *, returning: bool = False) -> None:
         try:
             super().executemany(query, params_seq, returning=returning)  # type: ignore[misc]
         except (psycopg.errors.LockNotAvailable, psycopg.errors.QueryCanceled) as exc:
             raise timeout_error(exc) from exc
+        except PREPARED_STATEMENT_ERRORS as exc:
+            pooler = pooler_error(exc, self.connection)  # type: ignore[attr-defined]
+            if pooler is None:
+                raise
+            raise pooler from exc
 
 
 class TimeoutTranslatingCursor(_TranslatesTimeouts, psycopg.Cursor[Any]):
-    """Every pgjobs connection's cursor: timeouts raise :class:`DatabaseTimeout`."""
+    """Every pgjobs connection's cursor: timeouts raise :class:`DatabaseTimeout`, a pooler
+    that loses prepared statements :class:`PoolerUnsupported`."""
 
 
 class RawTimeoutTranslatingCursor(_TranslatesTimeouts, psycopg.RawCursor[Any]):
@@ -345,6 +371,31 @@ def timeout_error(exc: psycopg.Error) -> DatabaseTimeout:
         f"a statement was cancelled by {which} ({str(exc).strip()}): another session holds "
         f"a lock too long, or the statement ran away; raise the {which!r} transport option "
         "if it was legitimately slow")
+
+
+def pooler_error(exc: BaseException,
+                 conn: psycopg.Connection[Any] | None) -> PoolerUnsupported | None:
+    """The coded error for a prepared statement the server does not have, or has from another
+    client (:data:`PREPARED_STATEMENT_ERRORS`), on a connection that prepares its statements
+    (the transport's default, ``use_listen_notify=True``): a transaction pooler sits in front
+    of PostgreSQL. None for any other error, or on a connection that prepares nothing (where
+    the error is not the pooler's: it is raised as it is). For :class:`_TranslatesTimeouts`
+    and for code that reads results itself (a claim in flight).
+
+    A :class:`~kombu_pgjobs.errors.ConfigurationError`: neither a kombu connection error nor
+    a recoverable one, so kombu's ``ensure`` (a publish's retry) and Celery's consumer do not
+    reconnect over it in a loop; it is raised at the caller, and a worker stops with it."""
+    if not isinstance(exc, PREPARED_STATEMENT_ERRORS):
+        return None
+    if conn is not None and conn.prepare_threshold is None:
+        return None
+    return PoolerUnsupported(
+        "the server does not hold this connection's prepared statements "
+        f"({str(exc).strip()}): a transaction pooler (PgBouncer with pool_mode = "
+        "transaction) sits in front of PostgreSQL, and the transport's default mode "
+        "(prepared statements, LISTEN) needs a session. Set the transport option "
+        "use_listen_notify=False (broker_transport_options; no prepared statements, "
+        "polling: docs/operations.md, Behind PgBouncer), or pool in session mode")
 
 
 def connect(conninfo: str, *, autocommit: bool = True,

@@ -6,6 +6,14 @@ by the next, which is what made ``durable_publish=False`` and the keeper's vacuu
 Nothing about LISTEN works through transaction pooling, so every client here runs with
 ``use_listen_notify=False``. Outcomes are read back from the database, not from logs.
 
+With the DEFAULT options (prepared statements, LISTEN) a client behind the bouncer gets
+:class:`PoolerUnsupported` (PGJ-112), naming the option to set, from whichever statement first
+meets a server connection whose prepared statements are not its own: a publish raises it at
+the caller, a consumer's claim raises it out of ``drain_events`` and out of Celery's event loop,
+and a worker stops with it instead of reconnecting in a loop. The tests bring that moment about
+on purpose (another client's statements prepared on the one server connection, or ``DEALLOCATE
+ALL``): with many clients and servers it comes by itself, sooner or later.
+
 When pgbouncer is not installed these tests FAIL under CI=true (.ci/run installs it) and skip
 elsewhere with the reason.
 """
@@ -27,8 +35,10 @@ import kombu
 import psycopg
 import pytest
 from celery import Celery
+from kombu.asynchronous import Hub
 
 from kombu_pgjobs.core import QueueCore, _Watchdog, job_from_message
+from kombu_pgjobs.errors import PoolerUnsupported
 from kombu_pgjobs.options import TransportOptions
 from kombu_pgjobs.schema import migrate
 
@@ -300,3 +310,157 @@ def test_worker_drains_through_the_bouncer_exactly_once(
     assert worker.proc.poll() is None, out[-3000:]
     assert "Traceback" not in out, out[-3000:]
     assert worker.stop() == 0
+
+
+# -- default options behind a transaction pooler: PGJ-112, at once, never retried -----------
+def _prepare_elsewhere(bouncer: PgBouncer, count: int = 64) -> None:
+    """Another client of the bouncer leaves prepared statements on its (one) server
+    connection, named as psycopg names its own (``_pg3_0``, ``_pg3_1``...): what a transaction
+    pooler's server connections carry when its clients prepare statements. A name already
+    there (a pgjobs client's own) is left as it is."""
+    with psycopg.connect(bouncer.dsn(), autocommit=True, prepare_threshold=None) as other:
+        for i in range(count):
+            try:
+                other.execute(f'PREPARE "_pg3_{i}" AS SELECT {i}')
+            except psycopg.errors.DuplicatePreparedStatement:
+                pass
+
+
+def _forget_prepared(bouncer: PgBouncer) -> None:
+    """The server connection forgets every prepared statement (as a client's statements find
+    a server connection other than the one that prepared them)."""
+    with psycopg.connect(bouncer.dsn(), autocommit=True, prepare_threshold=None) as other:
+        other.execute("DEALLOCATE ALL")
+
+
+def _assert_pgj_112(exc: BaseException) -> None:
+    assert type(exc) is PoolerUnsupported, repr(exc)  # itself: not kombu's OperationalError
+    assert exc.code == "PGJ-112"
+    text = str(exc)
+    assert text.startswith("[PGJ-112]") and "use_listen_notify=False" in text, text
+    assert isinstance(exc.__cause__, (psycopg.errors.DuplicatePreparedStatement,
+                                      psycopg.errors.InvalidSqlStatementName))
+
+
+def test_default_options_apply_async_raises_pgj_112(
+        bouncer: PgBouncer, db: psycopg.Connection[Any], schema: str) -> None:
+    """A prepared statement of the same name is on the server connection already: the
+    publisher's first statement fails, and apply_async raises PGJ-112 at once (Celery's
+    publish retry does not retry a configuration error)."""
+    _prepare_elsewhere(bouncer)
+    app = Celery("publisher", broker=bouncer.url())
+    app.conf.broker_transport_options = {"schema": schema}  # the defaults: LISTEN, prepared
+
+    @app.task(name="record")
+    def record(label: str) -> None:  # pragma: no cover - never runs
+        pass
+
+    for _ in range(2):  # and again: no connection state hides it the second time
+        with pytest.raises(PoolerUnsupported) as info:
+            record.apply_async(args=["x"], retry_policy={"max_retries": 5})
+        _assert_pgj_112(info.value)
+        assert isinstance(info.value.__cause__, psycopg.errors.DuplicatePreparedStatement)
+    app.close()
+
+
+def test_default_options_publish_raises_pgj_112_when_the_server_forgets(
+        bouncer: PgBouncer, db: psycopg.Connection[Any], schema: str) -> None:
+    """A publisher whose statements were prepared on one server connection, sent to one that
+    does not have them: PGJ-112, and the message was not written."""
+    with kombu.Connection(bouncer.url(), transport_options={"schema": schema}) as conn:
+        q = conn.SimpleQueue("defaults")
+        q.put({"i": 0})  # the first client of the server connection: this works
+        _forget_prepared(bouncer)
+        with pytest.raises(PoolerUnsupported) as info:
+            q.put({"i": 1})
+        _assert_pgj_112(info.value)
+        assert isinstance(info.value.__cause__, psycopg.errors.InvalidSqlStatementName)
+        q.close()
+    assert _count(db, f'SELECT count(*) FROM "{schema}".pgjobs_job') == 1
+
+
+def test_default_options_consumer_raises_pgj_112(
+        bouncer: PgBouncer, db: psycopg.Connection[Any], schema: str) -> None:
+    """The claim connection's first prepared claim meets another client's statement of the
+    same name: drain_events raises PGJ-112 (not an empty queue, not a reconnect loop), and
+    so does every drain after it; nothing was claimed."""
+    with kombu.Connection(bouncer.url(), transport_options={"schema": schema}) as conn:
+        q = conn.SimpleQueue("defaults")
+        q.put({"i": 0})  # the publish connection and the schema: these work
+        _prepare_elsewhere(bouncer)
+        for _ in range(2):
+            with pytest.raises(PoolerUnsupported) as info:
+                q.get(timeout=5)
+            _assert_pgj_112(info.value)
+        q.close()
+    assert db.execute(f'SELECT state, attempts FROM "{schema}".pgjobs_job').fetchall() == [
+        ("ready", 0)]
+
+
+def test_default_options_event_loop_raises_pgj_112(
+        bouncer: PgBouncer, db: psycopg.Connection[Any], schema: str, url: str) -> None:
+    """In Celery's event loop (the kombu Hub) claims go out and are read later, by the loop:
+    a claim whose prepared statement the server forgot raises PGJ-112 out of the loop (a
+    timer's error the Hub would only log: the loop's self-pipe raises it again)."""
+    got: list[Any] = []
+    conn = kombu.Connection(bouncer.url(), transport_options={
+        "schema": schema, "idle_poll_interval": 1})
+    channel = conn.channel()
+    channel.basic_qos(prefetch_size=0, prefetch_count=8)
+    queue = kombu.Queue("looped", channel=channel)
+    queue.declare()
+    kombu.Consumer(channel, queues=[queue],
+                   callbacks=[lambda body, message: (got.append(body), message.ack())]).consume()
+    # published straight to the database: the bouncer's publish connection is not the point
+    direct = kombu.Connection(url, transport_options={"schema": schema})
+    producer = direct.Producer()
+    producer.publish({"i": 0}, routing_key="looped")
+    hub = Hub()
+    transport = conn.transport
+    transport.register_with_event_loop(conn.connection, hub)
+    try:
+        loop = hub.create_loop()
+        deadline = time.monotonic() + 20
+        while not got and time.monotonic() < deadline:
+            next(loop)
+        assert got == [{"i": 0}]
+        # the same claims again, now on a server connection that forgot them
+        _forget_prepared(bouncer)
+        for i in range(1, 4):
+            producer.publish({"i": i}, routing_key="looped")
+        raised: BaseException | None = None
+        deadline = time.monotonic() + 20
+        while raised is None and time.monotonic() < deadline:
+            try:
+                next(loop)
+            except PoolerUnsupported as exc:
+                raised = exc
+        assert raised is not None, f"the loop went on: {got}"
+        _assert_pgj_112(raised)
+        with pytest.raises(PoolerUnsupported):  # and at every turn after it
+            transport.consumer.on_hub_event()
+    finally:
+        transport.unregister_from_event_loop(conn.connection, hub)
+        hub.close()
+        conn.release()
+        direct.release()
+    assert got == [{"i": 0}]
+
+
+def test_default_options_worker_stops_with_pgj_112(
+        bouncer: PgBouncer, start_worker: Any, schema: str) -> None:
+    """A `celery worker` with the default options behind the bouncer: it logs PGJ-112 with the
+    option to set and exits, instead of reconnecting over it forever."""
+    _prepare_elsewhere(bouncer)
+    worker = start_worker(app="tests.apps.recorder", pool="threads", concurrency=2,
+                          env={"PGJOBS_TEST_BROKER": bouncer.url()}, ready=False)
+    try:
+        code = worker.proc.wait(60)
+    except subprocess.TimeoutExpired:
+        code = None
+    out = worker.output()
+    assert code not in (None, 0), out[-4000:]
+    assert "Unrecoverable error: PoolerUnsupported('[PGJ-112]" in out, out[-4000:]
+    assert "use_listen_notify=False" in out, out[-4000:]
+    assert "Trying again" not in out and "Cannot connect" not in out, out[-4000:]
+    assert " ready." not in out, out[-4000:]
