@@ -53,8 +53,8 @@ __all__ = [
     "OutboxNotInstalled",
     "OutboxUnserializable",
     "PermissionDenied",
-    "PoolerUnsupported",
     "PgJobsError",
+    "PoolerUnsupported",
     "PublishFailed",
     "ScheduleEntryExists",
     "ScheduleEntryNotFound",
@@ -172,11 +172,15 @@ class PermissionDenied(PgJobsError):
 
 
 class PoolerUnsupported(ConfigurationError):
-    """The server forgot a prepared statement this connection made: a transaction pooler
-    (PgBouncer with ``pool_mode = transaction``) sits between this process and PostgreSQL,
-    and the transport's default session mode (prepared statements, LISTEN) cannot work
-    through it. Set the transport option ``use_listen_notify=False`` (no prepared statements,
-    polling; docs/operations.md, PgBouncer), or pool in session mode."""
+    """The server does not hold this connection's prepared statements (one it made is
+    missing, or another client's has its name): a transaction pooler (PgBouncer with
+    ``pool_mode = transaction``) sits between this process and PostgreSQL, and the transport's
+    default session mode (prepared statements, LISTEN) cannot work through it. Set the
+    transport option ``use_listen_notify=False`` (no prepared statements, polling;
+    docs/operations.md, Behind PgBouncer), or pool in session mode.
+
+    Not a connection error: never retried as one. A publish raises it at the caller, a
+    consumer at every claim from then on, and a Celery worker exits with it."""
 
     code = "PGJ-112"
 
