@@ -646,6 +646,7 @@ class Keeper(threading.Thread):
         # longer than a lease is nobody's lapse (docs/delivery.md).
         self.reachable_since: float | None = None
         self._last_ok: float | None = None
+        self._failing = False  # the last tick failed: the next failure is logged at DEBUG
 
     def run(self) -> None:
         b = self.backend
@@ -683,8 +684,14 @@ class Keeper(threading.Thread):
                     next_tick = time.monotonic() + interval
                     self.tick()
             except (psycopg.Error, PgJobsError) as exc:  # unreachable database: retry next tick
-                log.warning("pgjobs.keeper.error %s", exc, extra={"action": "keeper"})
+                # once per outage: it retries every second until the database answers
+                log.log(logging.DEBUG if self._failing else logging.WARNING,
+                        "pgjobs.keeper.error %s", exc, extra={"action": "keeper"})
+                self._failing = True
                 self.reachable_since = self._last_ok = None
+                # soon again: after an outage, the renewal that revives this process's leases
+                # should come well before other keepers judge them (a lease after their own)
+                next_tick = min(next_tick, time.monotonic() + min(interval, 1.0))
                 if self._conn is not None:
                     self._conn.close()
                     self._conn = None
@@ -746,6 +753,7 @@ class Keeper(threading.Thread):
                                  grace=3 * b.options.tick_interval, fleet=fleet,
                                  timeout=bound)
         self._last_ok = time.monotonic()
+        self._failing = False
         for outcome, job_id, queue in outcomes:
             if outcome == "release":  # slots whose holder is gone: free them, wake waiters
                 core.release_orphans(conn)

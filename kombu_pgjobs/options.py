@@ -105,9 +105,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("auto_migrate", True, bool,
            doc="Install or upgrade the schema on first connect (under an advisory lock)."),
     Option("failover_fence", True, bool,
-           doc="On every new connection, check the server's WAL timeline; on a new one (a "
-               "promoted standby, a restore) move every claim number up once before the first "
-               "claim, so no claim number is handed out twice across a failover."),
+           doc="On every new connection, check that the server's start is the one claim "
+               "numbers were last fenced for; after a restart, a promotion or a restore, move "
+               "their base up once (logged). Off: only this check is skipped; every claim "
+               "fences a new server start itself."),
     Option("max_claim", 100, int, 1, 10_000,
            "Most messages one claim takes when the channel has no prefetch limit."),
     Option("ack_flush_interval", 0.005, float, 0.0, 1.0,

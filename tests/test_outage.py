@@ -191,3 +191,25 @@ def test_the_fence_rewrites_no_row_and_runs_under_a_short_timeout(server, schema
     assert fresh[1] > before[1], (fresh, before)
     assert _settle(server.dsn, schema, running, "renew") == {running[0]}
     assert _settle(server.dsn, schema, running, "ack") == {running[0]}
+
+
+def test_a_consumed_queue_found_dropped_is_declared_again_with_its_bindings(
+        url, dsn, schema, recorder_tables, start_worker):
+    """A worker's pidbox queue and its binding are dropped under it (an operator, or a keeper
+    of an older version that expired it while the worker lived): the worker's keeper declares
+    the queue again with the binding it made, and `inspect ping` answers again."""
+    w = start_worker(name="w1", env={"PGJOBS_TEST_LEASE_TTL": "3"})
+    app = import_app("tests.apps.recorder", schema, url, PGJOBS_TEST_LEASE_TTL="3").app
+    wait_for(lambda: app.control.ping(timeout=1.0), 30, what="the worker to answer")
+    with psycopg.connect(dsn, autocommit=True) as db:
+        gone = db.execute(f'DELETE FROM "{schema}".pgjobs_queue WHERE name LIKE %s '
+                          "RETURNING name", ("w1@%.celery.pidbox",)).fetchall()
+        assert len(gone) == 1
+        bindings = db.execute(f'DELETE FROM "{schema}".pgjobs_binding WHERE queue = %s',
+                              (gone[0][0],)).rowcount
+        assert bindings >= 1
+    assert app.control.ping(timeout=1.0) == [], "the dropped queue still answered"
+    wait_for(lambda: app.control.ping(timeout=1.0), 15, interval=0.5,
+             what="the worker to answer again")
+    assert "pgjobs.queue.redeclared" in w.output()
+    app.close()

@@ -16,7 +16,9 @@
 --    starts of room; a single message claimed more than 65,536 times between two starts is
 --    fenced by its own number only (it keeps counting up from it).
 -- 2. The admission, which named a slot taken earlier in the same claim by "its row's claim + 1",
---    names it by "a claim above its row's" (the claim number is no longer always + 1).
+--    names it by "a claim above its row's" (the claim number is no longer always + 1); and a
+--    slot whose holder's lease lapsed stays taken until a keeper rescues the row (its holder
+--    may still run it, and may revive the lease after an outage: a cap holds through it).
 --
 -- The lease changes of this issue (a lapsed lease revived by its holder, rescues and expiries
 -- only after a full lease of reachable time) are in the statements (sql/job.sql), not here.
@@ -114,14 +116,15 @@ BEGIN
             RETURN ROW('busy', on_key)::{schema}.pgjobs_verdict;
         END IF;
         -- Slots of this key still held: by a running holder under the claim that took them
-        -- with a live lease, or taken earlier in this very claim (its row is not running yet:
-        -- the slot names the claim number the row is about to get, above its current one).
+        -- (its lease lapsed or not: a lapsed holder may still run, and its holder may revive
+        -- the lease; the slot is free once a keeper rescued the row), or taken earlier in this
+        -- very claim (its row is not running yet: the slot names the claim number the row is
+        -- about to get, above its current one).
         SELECT array_agg(sl.slot) INTO taken
           FROM {schema}.pgjobs_slot AS sl
           JOIN {schema}.pgjobs_job AS h ON h.id = sl.job_id
          WHERE sl.limit_key = on_key
-           AND ((h.claim = sl.claim AND h.state = 'running' AND h.lease_expires_at > now())
-                OR h.claim < sl.claim);
+           AND ((h.claim = sl.claim AND h.state = 'running') OR h.claim < sl.claim);
         IF coalesce(cardinality(taken), 0) >= cap THEN
             IF e ->> 'when_busy' = 'fail' THEN
                 WITH refused AS (

@@ -536,7 +536,8 @@ WITH src AS (
 SELECT id FROM dead;
 
 -- name: admin_limits :many
--- Concurrency keys: slots held (by running messages with a live lease), the cap they were taken
+-- Concurrency keys: slots held (by running messages, their leases lapsed or not: a slot is free
+-- once a keeper rescued its holder, as the admission counts it), the cap they were taken
 -- under, the ids holding them, and the messages parked on the key with the age of the oldest.
 -- %(prefix)s NULL: every key. At most %(limit)s keys, busiest first. %(bound)s (NULL: exact)
 -- bounds the parked messages read per key: the keys are found by skipping through the parking
@@ -544,14 +545,14 @@ SELECT id FROM dead;
 -- age taken among those (the dashboard, on a flood of one key).
 WITH RECURSIVE held AS (
     SELECT sl.limit_key,
-           count(*) FILTER (WHERE h.state = 'running' AND h.lease_expires_at > now()) AS held,
+           count(*) FILTER (WHERE h.state = 'running') AS held,
            max(sl.cap) AS cap,
            array_agg(sl.job_id ORDER BY sl.slot)
-               FILTER (WHERE h.state = 'running' AND h.lease_expires_at > now()) AS holders
+               FILTER (WHERE h.state = 'running') AS holders
       FROM {schema}.pgjobs_slot AS sl
       LEFT JOIN {schema}.pgjobs_job AS h ON h.id = sl.job_id AND h.claim = sl.claim
      GROUP BY sl.limit_key
-    HAVING count(*) FILTER (WHERE h.state = 'running' AND h.lease_expires_at > now()) > 0
+    HAVING count(*) FILTER (WHERE h.state = 'running') > 0
 ), parked_keys AS (
     (SELECT j.waiting_on FROM {schema}.pgjobs_job AS j
       WHERE j.state = 'waiting' ORDER BY j.waiting_on LIMIT 1)
