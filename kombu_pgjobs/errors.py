@@ -185,11 +185,22 @@ class PoolerUnsupported(ConfigurationError):
     code = "PGJ-112"
 
 
-class ShardUnavailable(PgJobsError):
-    """The database of a shard could not be reached: only the publishes, claims and settles of
-    that shard's queues fail; the other databases' queues go on (docs/sharding.md)."""
+class ShardUnavailable(DatabaseUnavailable):
+    """The database of one shard of a shard map could not be reached. Only that shard's queues
+    are affected: their publishes (and ``basic_get``, ``queue_purge``, a passive declare) raise
+    this; their consumers wait while the shard's claim connection reconnects by itself; acks
+    of messages held from it stay buffered until it is back. The default database and the
+    other shards go on (docs/sharding.md).
+
+    A :class:`DatabaseUnavailable`, so a kombu connection error: kombu's publish retry
+    (Celery's ``retry_policy``) sends the message again, each time on a reconnect that opens
+    only the default database; when the retries are used up the publisher gets this error
+    (kombu wraps it in its ``OperationalError``) and nothing was written. Start the shard's
+    server, or check its URL in the shard map."""
 
     code = "PGJ-113"
+    #: the shard's database as operators see it (``host:port/database``, never a password)
+    shard: str | None = None
 
 
 class InvalidLimit(PgJobsError):

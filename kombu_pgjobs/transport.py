@@ -39,6 +39,9 @@ the claim connection's states on faults) is :mod:`kombu_pgjobs.consumer`, every 
   own database (:mod:`kombu_pgjobs.sharding`: one backend and one consumer loop per database;
   delivery tags ``id.claim.N`` name it); remote control, events and bindings stay on the
   broker URL's database. Without one, nothing here looks further than ``self.backend``.
+  Shards are independent: connecting opens the default database only, and a shard that is
+  down fails only its own queues' work (``ShardUnavailable``, PGJ-113; a queue declared
+  meanwhile is declared when it is back: sharding.py).
 """
 
 from __future__ import annotations
@@ -46,9 +49,11 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
+from amqp.protocol import queue_declare_ok_t
 from kombu.transport import virtual
 from kombu.transport.base import to_rabbitmq_queue_arguments
 from kombu.utils.objects import cached_property
@@ -57,7 +62,7 @@ from .backend import Backend, backend_for, settle_listeners
 from .consumer import ConsumerLoop, refill_mark
 from .core import Claimed, job_from_message
 from .database import conninfo_from_parts
-from .errors import DatabaseUnavailable, PermissionDenied, PgJobsError
+from .errors import DatabaseUnavailable, PermissionDenied, PgJobsError, ShardUnavailable
 from .events import log_event, one_line
 from .options import (
     TransportOptions,
@@ -67,7 +72,7 @@ from .options import (
     validate_routing_key,
 )
 from .revoke import revoked_task_ids
-from .sharding import ShardedConsumer, Shards
+from .sharding import ShardedConsumer, Shards, log_unavailable
 from .url import host_list
 
 __all__ = ["Channel", "QoS", "Transport", "parse_shard_tag", "parse_tag"]
@@ -176,11 +181,18 @@ class Channel(virtual.Channel):
             return self.backend if shard == 0 else None
         return shards.backend_at(shard)
 
+    def on_queue(self, queue: str, fn: Callable[[Backend], Any]) -> Any:
+        """``fn(backend)`` on ``queue``'s database: a shard that cannot be reached raises
+        ShardUnavailable (PGJ-113) and touches no other database (sharding.py)."""
+        shards = self.shards
+        if shards is None:
+            return fn(self.backend)
+        return shards.run(shards.index_of(queue), fn)
+
     # -- publish -------------------------------------------------------------------------
     def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
-        backend = self.backend_of(queue)
-        backend.publish(job_from_message(queue, message,
-                                         max_bytes=backend.options.max_message_bytes))
+        self.on_queue(queue, lambda backend: backend.publish(job_from_message(
+            queue, message, max_bytes=backend.options.max_message_bytes)))
 
     def _put_fanout(self, exchange: str, message: dict[str, Any], routing_key: str,
                     **kwargs: Any) -> None:
@@ -191,17 +203,34 @@ class Channel(virtual.Channel):
         queues = {q for _, _, q in self.get_table(exchange)} if shards is not None else ()
         if shards is not None and any(shards.index_of(q) for q in queues):
             # Bound queues on several databases: one publish per queue, on its database
-            # (not atomic across databases: see docs/sharding.md).
+            # (not atomic across databases: see docs/sharding.md). A shard that is down
+            # keeps no other database's copy from being written; its error is raised after.
+            down: ShardUnavailable | None = None
             for queue in sorted(queues):
-                self._put(queue, message)
+                try:
+                    self._put(queue, message)
+                except ShardUnavailable as exc:
+                    down = down or exc
+            if down is not None:
+                raise down
         else:
             fanout = lambda c: self.backend.core.publish_fanout(c, exchange, job)  # noqa: E731
             if not self.backend.in_caller_transaction(fanout):
                 self.backend.publishing(fanout)
         if revoked:  # Celery's revoke broadcast: its waiting (ETA) rows go for good
-            for backend in shards.backends if shards is not None else [self.backend]:
+            def revoke(b: Backend) -> Any:
+                return b.publishing(lambda c: b.core.revoke(c, revoked))
+
+            for index, backend in enumerate(shards.backends if shards is not None
+                                            else [self.backend]):
                 try:
-                    gone = backend.publishing(lambda c, b=backend: b.core.revoke(c, revoked))
+                    gone = revoke(backend) if shards is None else shards.run(index, revoke)
+                except ShardUnavailable as exc:
+                    # The broadcast is out (workers discard the task); the shard's delayed
+                    # rows of it wait until they are due, and the revoke is not kept there.
+                    log_unavailable("revoke not applied to the shard's delayed messages", exc,
+                                    tasks=len(revoked))
+                    continue
                 except PermissionDenied as exc:
                     # A publisher role may not delete rows: the broadcast is out (workers
                     # discard the task), the delayed rows wait until they are due.
@@ -277,21 +306,49 @@ class Channel(virtual.Channel):
         """kombu's ``expires``/``message_ttl``/``max_priority`` become RabbitMQ arguments."""
         return to_rabbitmq_queue_arguments(arguments, **kwargs)
 
+    def queue_declare(self, queue: str | None = None, passive: bool = False,
+                      **kwargs: Any) -> Any:
+        """kombu's. A queue on a shard that is down is declared when the shard is back (a
+        consumer starting meanwhile starts), its message count unknown meanwhile (0); a
+        passive declare asks the shard and raises ShardUnavailable (sharding.py)."""
+        shards = self.shards
+        if shards is None or passive or not queue or not shards.index_of(queue):
+            return super().queue_declare(queue, passive, **kwargs)
+        size = 0
+        if self._declare(queue, **kwargs):
+            try:
+                size = self._size(queue)
+            except ShardUnavailable:  # down since, just now
+                pass
+        return queue_declare_ok_t(queue, size, 0)
+
     def _new_queue(self, queue: str, **kwargs: Any) -> None:
+        self._declare(queue, **kwargs)
+
+    def _declare(self, queue: str, **kwargs: Any) -> bool:
+        """Declare ``queue`` on its database; False: its shard is down and keeps the
+        declaration until it is back (sharding.py)."""
         validate_queue_name(queue)
         args = queue_arguments(queue, kwargs.get("arguments"))
-        backend = self.backend_of(queue)
-        backend.publishing(lambda c: backend.core.declare_queue(
-            c, queue, expires_ms=args.expires_ms, message_ttl_ms=args.message_ttl_ms,
-            max_priority=args.max_priority, auto_delete=bool(kwargs.get("auto_delete"))))
+
+        def declare(backend: Backend) -> None:
+            backend.publishing(lambda c: backend.core.declare_queue(
+                c, queue, expires_ms=args.expires_ms, message_ttl_ms=args.message_ttl_ms,
+                max_priority=args.max_priority, auto_delete=bool(kwargs.get("auto_delete"))))
+
+        shards = self.shards
+        if shards is None:
+            declare(self.backend)
+            return True
+        return shards.declare(shards.index_of(queue), queue, declare)
 
     def _has_queue(self, queue: str, **kwargs: Any) -> bool:
-        backend = self.backend_of(queue)
-        return bool(backend.publishing(lambda c: backend.core.queue_exists(c, queue)))
+        return bool(self.on_queue(queue, lambda backend: backend.publishing(
+            lambda c: backend.core.queue_exists(c, queue))))
 
     def _delete(self, queue: str, *args: Any, **kwargs: Any) -> None:
         backend = self.backend_of(queue)
-        backend.publishing(lambda c: backend.core.delete_queue(c, queue))
+        self.on_queue(queue, lambda b: b.publishing(lambda c: b.core.delete_queue(c, queue)))
         if backend is not self.backend:  # its bindings are on the default database
             self.backend.publishing(lambda c: self.backend.core.delete_queue(c, queue))
 
@@ -304,12 +361,12 @@ class Channel(virtual.Channel):
         self._tables.clear()
 
     def _purge(self, queue: str) -> int:
-        backend = self.backend_of(queue)
-        return int(backend.publishing(lambda c: backend.core.purge(c, queue)))
+        return int(self.on_queue(queue, lambda backend: backend.publishing(
+            lambda c: backend.core.purge(c, queue))))
 
     def _size(self, queue: str) -> int:
-        backend = self.backend_of(queue)
-        return int(backend.publishing(lambda c: backend.core.size(c, queue)))
+        return int(self.on_queue(queue, lambda backend: backend.publishing(
+            lambda c: backend.core.size(c, queue))))
 
     # -- consume -------------------------------------------------------------------------
     def basic_get(self, queue: str, no_ack: bool = False, **kwargs: Any) -> Any:
@@ -442,9 +499,10 @@ class Transport(virtual.Transport):
         return backend_for(conninfo, self.options)
 
     def establish_connection(self) -> Any:
-        # connect (and migrate: every database of a shard map) now: fail early
-        for backend in self.shards.backends if self.shards else [self.backend]:
-            backend.publishing(lambda conn: None)
+        # connect (and migrate) the default database now: fail early. A shard map's other
+        # databases connect on first use: a shard that is down fails its own queues' work,
+        # never the connection (sharding.py)
+        self.backend.publishing(lambda conn: None)
         return super().establish_connection()
 
     def close_connection(self, connection: Any) -> None:
