@@ -2,23 +2,35 @@
 
 Each test runs in its own schema, on both databases. Counts are read back from the databases:
 the jobs left on each, and the executions the tasks recorded.
+
+The "shard down" tests (issue 29, item 3) put the shard on a private server (tests/pgserver.py)
+that they really stop and start again: nothing else shares it.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import kombu
+import kombu.exceptions
 import psycopg
 import pytest
 
 from kombu_pgjobs import cli
-from kombu_pgjobs.errors import InvalidShardMap, InvalidShardPattern, InvalidShardURL
-from kombu_pgjobs.shardmap import parse
+from kombu_pgjobs.errors import (
+    DatabaseUnavailable,
+    InvalidShardMap,
+    InvalidShardPattern,
+    InvalidShardURL,
+    ShardUnavailable,
+)
+from kombu_pgjobs.shardmap import parse, shard_label
 
 from .conftest import DSN, SECOND_DATABASE, wait_for
+from .pgserver import PrivateServer, require_bindir
 
 SECOND_DSN = psycopg.conninfo.make_conninfo(DSN, dbname=SECOND_DATABASE)
 
@@ -54,10 +66,10 @@ def drain(conn: kombu.Connection, queues: list[str], n: int, *,
     return got
 
 
-def publish(conn: kombu.Connection, queue: str, body: Any) -> None:
+def publish(conn: kombu.Connection, queue: str, body: Any, **kwargs: Any) -> None:
     q = kombu.Queue(queue, kombu.Exchange(queue), routing_key=queue)
     with conn.Producer() as producer:
-        producer.publish(body, exchange=q.exchange, routing_key=queue, declare=[q])
+        producer.publish(body, exchange=q.exchange, routing_key=queue, declare=[q], **kwargs)
 
 
 # -- the map itself ---------------------------------------------------------------------------
@@ -370,3 +382,224 @@ def test_metrics_server_reports_a_database_it_cannot_read(url: str, schema: str,
     assert 'pgjobs_up{shard="db2"} 1' in text
     assert 'pgjobs_up{shard="gone"} 0' in text
     assert 'pgjobs_messages{shard="db2",queue="billing",state="ready"} 1' in text
+
+
+# -- a shard that is down (issue 29, item 3) ---------------------------------------------------
+@pytest.fixture
+def shard_server() -> Iterator[PrivateServer]:
+    """The shard's own server, which the test stops and starts again (tests/pgserver.py: it
+    FAILS under CI=true when the server binaries are missing). Ask for it before ``schema``
+    so the server outlives the test's connections."""
+    server = PrivateServer(require_bindir())
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def _queue_args(dsn: str, schema: str) -> dict[str, Any]:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        return {r[0]: r[1] for r in conn.execute(
+            f'SELECT name, message_ttl_ms FROM "{schema}".pgjobs_queue')}
+
+
+def test_a_stopped_shard_fails_only_its_own_queues(shard_server: PrivateServer, url: str,
+                                                   schema: str) -> None:
+    """The shard's server is stopped: the default database's publishes, claims and acks go
+    on, on the open connection and on new ones; the shard's publish raises PGJ-113 (kombu's
+    retry included) and writes nothing; a queue declared meanwhile is declared when it is
+    back; the ack of a message held across the outage lands; the shard's consumer loop
+    reconnects by itself. Every row is counted on both databases."""
+    shards = {"billing*": shard_server.url}
+    label = shard_label(shard_server.url)
+    with connection(url, schema, shards) as conn:
+        publish(conn, "billing", {"n": "b0"})
+        publish(conn, "other", {"n": "o0"})
+        held = drain(conn, ["billing", "other"], 2, ack=False)  # one held from each database
+        assert sorted(m.payload["n"] for m in held) == ["b0", "o0"]
+
+        shard_server.halt()
+
+        publish(conn, "other", {"n": "o1"})  # the open connection's default database
+        with connection(url, schema, shards) as fresh:
+            fresh.connect()  # opens the default database only: a down shard is no error
+            publish(fresh, "other", {"n": "o2"})
+            started = time.monotonic()
+            with pytest.raises(ShardUnavailable) as caught:
+                publish(fresh, "billing", {"n": "refused-1"})
+            assert caught.value.code == "PGJ-113" and caught.value.shard == label
+            assert isinstance(caught.value, DatabaseUnavailable)  # a kombu connection error
+            assert str(caught.value).startswith("[PGJ-113] shard " + label)
+            # kombu's publish retry (Celery's retry_policy): each retry reconnects, which
+            # opens the default database only; used up, the coded error, wrapped by kombu
+            with pytest.raises(kombu.exceptions.OperationalError) as wrapped:
+                publish(fresh, "billing", {"n": "refused-2"}, retry=True,
+                        retry_policy={"max_retries": 2, "interval_start": 0,
+                                      "interval_step": 0.1, "interval_max": 0.2})
+            assert isinstance(wrapped.value.__cause__, ShardUnavailable)
+            assert "PGJ-113" in str(wrapped.value)
+            assert time.monotonic() - started < 10  # a refused connection fails at once
+            # ... and the same connection goes on publishing on the default database
+            publish(fresh, "other", {"n": "o3"}, retry=True)
+            # a queue declared while its shard is down is no error: declared when it is back
+            ttl_queue = kombu.Queue("billing.ttl", kombu.Exchange("billing.ttl"),
+                                    message_ttl=60)
+            assert ttl_queue(fresh.default_channel).declare() == "billing.ttl"
+
+        # claims: the default database's go on while the shard's loop reconnects
+        started = time.monotonic()
+        got = drain(conn, ["billing", "other"], 3)
+        assert sorted(m.payload["n"] for m in got) == ["o1", "o2", "o3"]
+        time.sleep(1.5)  # the shard's loop backs off and retries meanwhile
+        publish(conn, "other", {"n": "o4"})
+        got += drain(conn, ["billing", "other"], 1)
+        assert sorted(m.payload["n"] for m in got) == ["o1", "o2", "o3", "o4"]
+        assert time.monotonic() - started < 10
+        with pytest.raises(ShardUnavailable):
+            conn.default_channel.basic_get("billing")  # claims on the shard: the coded error
+        for m in held:  # acks of held messages: buffered, fenced, each on its own database
+            m.ack()
+        wait_for(lambda: not [r for r in jobs(DSN, schema) if r[0] == "other"], 5,
+                 what="every default-database message acked while the shard is down")
+
+        shard_server.start()
+
+        # nothing refused was written; b0 is still held (its ack waits in the buffer)
+        assert [r[:2] for r in jobs(shard_server.dsn, schema)] == [("billing", "running")]
+        wait_for(lambda: _queue_args(shard_server.dsn, schema).get("billing.ttl") == 60000,
+                 25, what="the declaration kept for the shard to be applied")
+        publish(conn, "billing", {"n": "b1"})  # the shard's publish connection is new
+        got = drain(conn, ["billing", "other"], 1)  # the shard's claim connection too
+        assert [m.payload for m in got] == [{"n": "b1"}]
+        wait_for(lambda: jobs(shard_server.dsn, schema) == [], 15,
+                 what="b0's ack (held over the outage) and b1's to land on the shard")
+        assert [r[0] for r in jobs(DSN, schema)] == []
+
+
+def _worker_restarts(output: str) -> int:
+    """Celery's consumer restarts (a kombu connection error reached it)."""
+    return output.count("Connection to broker lost") + output.count(
+        "consumer: Cannot connect")
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("event_loop", ["1", "0"])
+def test_a_worker_runs_the_default_databases_tasks_while_a_shard_is_down(
+        shard_server: PrivateServer, url: str, recorder_tables: str, start_worker: Any,
+        event_loop: str) -> None:
+    """Real workers on the default database and a shard on a server that is stopped: the
+    default database's tasks keep running (in Celery's event loop, and in its synchronous
+    loop), a worker started meanwhile starts and runs them too, Celery's publish to the
+    shard fails with PGJ-113 and is never run; messages queued on the shard before it
+    stopped, and published after it is back, each run exactly once; no consumer restarts."""
+    from tests.conftest import import_app
+
+    schema = recorder_tables
+    env = {"PGJOBS_TEST_SHARDS": json.dumps({"billing": shard_server.url}),
+           "PGJOBS_TEST_EVENT_LOOP": event_loop}
+    app = import_app("tests.apps.sharded", schema, url, **env)
+    w1 = start_worker(name="w1", app="tests.apps.sharded", env=env,
+                      extra=["-Q", "billing,other"])
+    app.record.apply_async(("billing-0",), queue="billing")
+    app.record.apply_async(("other-0",), queue="other")
+    wait_for(lambda: _runs(schema) == ["billing-0", "other-0"], 15, what="the first tasks")
+    # queued on the shard when it stops, due while it is down: they run once it is back
+    queued = [f"billing-queued-{i}" for i in range(5)]
+    for label in queued:
+        app.record.apply_async((label,), queue="billing", countdown=1)
+
+    shard_server.halt()
+    halted = time.monotonic()
+
+    with pytest.raises(kombu.exceptions.OperationalError) as caught:
+        app.record.apply_async(("billing-refused",), queue="billing")  # Celery's retry too
+    assert isinstance(caught.value.__cause__, ShardUnavailable)
+    assert "PGJ-113" in str(caught.value)
+    others = [f"other-{i}" for i in range(1, 11)]
+    for label in others[:5]:
+        app.record.apply_async((label,), queue="other")
+    wait_for(lambda: set(others[:5]) <= set(_runs(schema)), 15,
+             what="the default database's tasks to run while the shard is down")
+    w2 = start_worker(name="w2", app="tests.apps.sharded", env=env,
+                      extra=["-Q", "billing,other"])  # starts: a down shard is no error
+    # a few seconds down: the shard's loops back off (and retry) meanwhile
+    time.sleep(max(0.0, halted + 4.0 - time.monotonic()))
+    published = time.monotonic()
+    for label in others[5:]:
+        app.record.apply_async((label,), queue="other")
+    wait_for(lambda: set(others) <= set(_runs(schema)), 15,
+             what="the default database's tasks to run with the second worker up")
+    assert time.monotonic() - published < 5  # at once, not at a shard's backoff or poll
+    assert _runs(schema) == sorted(["billing-0", "other-0", *others])  # none of the shard's
+
+    shard_server.start()
+
+    app.record.apply_async(("billing-1",), queue="billing")
+    expected = sorted(["billing-0", "other-0", "billing-1", *queued, *others])
+    wait_for(lambda: len(_runs(schema)) >= len(expected), 30,
+             what="the shard's messages to run once it is back")
+    time.sleep(0.5)  # a duplicate, if any, would land now
+    assert _runs(schema) == expected  # each exactly once; the refused one never
+    wait_for(lambda: not jobs(shard_server.dsn, schema) and not [
+        r for r in jobs(DSN, schema) if r[0] in ("billing", "other")], 10,
+        what="every row acked on its database")
+    for worker in (w1, w2):
+        assert worker.proc.poll() is None, worker.output()[-3000:]
+        assert _worker_restarts(worker.output()) == 0, worker.output()[-3000:]
+
+
+def _postmaster(server: PrivateServer) -> int:
+    return int((server.data / "postmaster.pid").read_text().split()[0])
+
+
+def test_a_shard_that_does_not_answer_never_holds_the_default_databases_claims(
+        shard_server: PrivateServer, url: str, schema: str) -> None:
+    """The shard's server hangs (its postmaster stopped with SIGSTOP, its backends ended):
+    a connection to it is accepted by the kernel and never answered, so each attempt lasts
+    ``connect_timeout`` (10 s here). The shard's consumer loop reconnects on a helper thread
+    and waits for it at most RECONNECT_WAIT: the default database's messages are delivered
+    without the 10 s stalls; when the server goes on, the shard's loop takes the connection
+    the helper opened and its messages are delivered."""
+    import os
+    import signal
+
+    from kombu_pgjobs.sharding import RECONNECT_WAIT
+
+    shards = {"billing": shard_server.url}
+    with connection(url, schema, shards, connect_timeout=10.0) as conn:
+        publish(conn, "billing", {"n": "b0"})
+        publish(conn, "other", {"n": "o0"})
+        assert len(drain(conn, ["billing", "other"], 2)) == 2
+        wait_for(lambda: jobs(shard_server.dsn, schema) == [], 5, what="b0's ack")
+        queues = [kombu.Queue(q, kombu.Exchange(q), routing_key=q) for q in ("billing", "other")]
+        got: list[tuple[Any, float]] = []
+        with conn.Consumer(queues, callbacks=[
+                lambda body, m: (got.append((body, time.monotonic())), m.ack())]), \
+                psycopg.connect(shard_server.dsn, autocommit=True) as admin:
+            postmaster = _postmaster(shard_server)
+            os.kill(postmaster, signal.SIGSTOP)
+            try:
+                admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE "
+                              "backend_type = 'client backend' AND pid <> pg_backend_pid()")
+                latencies = []
+                with connection(url, schema, shards) as publisher:
+                    for i in range(12):
+                        sent = time.monotonic()
+                        publish(publisher, "other", {"n": f"o{i + 1}"})
+                        while len(got) < i + 1 and time.monotonic() - sent < 30:
+                            try:
+                                conn.drain_events(timeout=1)
+                            except TimeoutError:
+                                pass
+                        assert len(got) == i + 1
+                        latencies.append(got[-1][1] - sent)
+                        time.sleep(0.3)
+                # without the helper, attempts stalled 10 s each (one in ~15 s)
+                assert max(latencies) < RECONNECT_WAIT + 4.0, latencies
+            finally:
+                os.kill(postmaster, signal.SIGCONT)
+        publish(conn, "billing", {"n": "b1"})
+        again = drain(conn, ["billing", "other"], 1)
+        assert [m.payload for m in again] == [{"n": "b1"}]
+        wait_for(lambda: jobs(shard_server.dsn, schema) == [], 10, what="b1's ack")
+        assert [r for r in jobs(DSN, schema) if r[0] == "other"] == []
