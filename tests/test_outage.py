@@ -138,7 +138,7 @@ def _claim(dsn: str, schema: str, queue: str) -> tuple[int, int]:
 def _settle(dsn: str, schema: str, pair: tuple[int, int], how: str) -> set[int]:
     core = QueueCore(schema, lease_ttl=30, max_attempts=20, worker="outage-test:1")
     with psycopg.connect(dsn, autocommit=True) as conn:
-        return core.ack(conn, [pair]) if how == "ack" else core.renew(conn, [pair])
+        return core.ack(conn, [pair]) if how == "ack" else set(core.renew(conn, [pair]))
 
 
 def test_a_restore_from_a_storage_snapshot_is_fenced(server, schema):
