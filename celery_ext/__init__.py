@@ -49,6 +49,7 @@ from celery.utils.imports import symbol_by_name
 
 from kombu_pgjobs.errors import InvalidTaskOption
 
+from .cancel import Cancelled, cancel, cancelled, checkpoint, start_stopping
 from .deadletter import on_task_failure, on_task_rejected
 from .flower import register as register_flower
 from .idempotency import max_queued
@@ -61,8 +62,8 @@ from .state import add_app, installed
 from .tenant import check_tenant_required, current_tenant, tenant_required
 from .worker_sync import enable_worker_sync, load_revokes
 
-__all__ = ["RULES", "OutboxRelay", "Task", "current_tenant", "install", "on_settled",
-           "transaction"]
+__all__ = ["RULES", "Cancelled", "OutboxRelay", "Task", "cancel", "cancelled", "checkpoint",
+           "current_tenant", "install", "on_settled", "transaction"]
 
 #: the task base class (use as ``base=celery_ext.Task`` in apps that set their own base)
 Task = PgJobsTask
@@ -104,6 +105,7 @@ def install(app: Any) -> Any:
     signals.task_failure.connect(
         on_task_rejected, weak=False, dispatch_uid="celery_ext.reject_reason")
     start_telling()
+    start_stopping()
     enable_worker_sync()
     signals.worker_init.connect(load_revokes, weak=False, dispatch_uid="celery_ext.revokes")
     install_scheduled()

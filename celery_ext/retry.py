@@ -186,6 +186,8 @@ class PgJobsTask(CeleryTask):
     """Celery's Task with pgjobs options: attempts, retry classification, dead letters."""
 
     abstract = True
+    #: the worker's request class: notes how each run ended, for on_settled's outcome
+    Request = "celery_ext.settled:OutcomeRequest"
     #: deliveries before pgjobs buries the message (x-pgjobs-max-attempts; None: transport's)
     max_attempts: int | None = None
     #: exceptions that fail the task at once (dead-lettered, remaining retries unspent)
@@ -254,10 +256,16 @@ class PgJobsTask(CeleryTask):
             return self._run_classified(*args, **kwargs)
 
     def _run_classified(self, *args: Any, **kwargs: Any) -> Any:
+        from .cancel import Cancelled, ended
+
         try:
             return super().__call__(*args, **kwargs)
         except TaskPredicate:  # Retry, Ignore, Reject: Celery's own control flow
             raise
+        except Cancelled as exc:  # celery_ext.checkpoint(): the run was cancelled or lost
+            if self.request.called_directly:
+                raise
+            raise ended(self, exc) from None
         except Exception as exc:
             if self.request.called_directly:
                 raise

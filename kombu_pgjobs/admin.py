@@ -559,11 +559,16 @@ class Admin:
 
     def cancel(self, ids: Sequence[Any], *, task_ids: Sequence[str] = ()) -> dict[str, Any]:
         """Cancel messages by id and/or by Celery task id (``--task-id``: a delayed message
-        is found through ``pgjobs_job_delayed_task_id_idx``; see :mod:`kombu_pgjobs.revoke`)."""
+        is found through ``pgjobs_job_delayed_task_id_idx``; see :mod:`kombu_pgjobs.revoke`).
+        Queued ones go to the dead letters as ``cancelled``; running ones are marked, and their
+        holders end the runs (admin_cancel). Returns the ids ``cancelled`` and ``marked``, and
+        ``by_task``: the id of each task id given."""
         wanted = _ids(ids) if ids else []
+        by_task: dict[str, int] = {}
         if task_ids:
             found_ids = self.conn.execute(self.q["revoke_find"], {
                 "task_ids": list(task_ids)}).fetchall()
+            by_task = {r[1]: int(r[0]) for r in found_ids}
             missing = sorted(set(task_ids) - {r[1] for r in found_ids})
             if missing:
                 raise NotFound(f"no live message with Celery task id {', '.join(missing)} "
@@ -579,9 +584,10 @@ class Admin:
                     f"id {', '.join(map(str, dead))} is a dead letter, not a live message: "
                     "`pgjobs dead purge ID` deletes it")
             rows = self.conn.execute(self.q["admin_cancel"], {
-                "ids": wanted, "shard": self.shard}).fetchall()
+                "ids": wanted, "shard": self.shard, "channel": self.channel}).fetchall()
         return {"cancelled": sorted(r[1] for r in rows if r[0] == "cancelled"),
-                "marked": sorted(r[1] for r in rows if r[0] == "marked")}
+                "marked": sorted(r[1] for r in rows if r[0] == "marked"),
+                "by_task": by_task}
 
     def purge(self, queue: str, *, limit: int | None = None) -> dict[str, Any]:
         """Delete up to ``limit`` ready, delayed and waiting messages of a queue; running ones

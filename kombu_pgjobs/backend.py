@@ -44,8 +44,8 @@ from .schema import current_version as schema_version
 from .schema import latest_version, migrate
 from .unconfirmed import Unconfirmed
 
-__all__ = ["CLAIM_SESSION", "Backend", "add_settle_listener", "backend_for", "release_all",
-           "settle_listeners"]
+__all__ = ["CLAIM_SESSION", "Backend", "add_run_listener", "add_settle_listener", "backend_for",
+           "release_all", "run_listeners", "settle_listeners"]
 
 log = logging.getLogger("kombu_pgjobs")
 
@@ -73,14 +73,16 @@ def backend_for(conninfo: str, options: TransportOptions) -> Backend:
 
 
 #: Told of every fenced settle that landed: ``fn(outcome, job_id, claim, headers)`` with outcome
-#: ``acked``, ``requeued`` or ``dead``, after its statement committed, once, never for a settle
+#: ``acked``, ``requeued``, ``dead`` or ``cancelled`` (the ack of a run an operator cancelled
+#: became a dead letter), after its statement committed, once, never for a settle
 #: that missed its fence. ``headers`` are the delivered message's (``{}`` when not recorded).
 #: celery_ext's ``on_settled`` signal is one (see :mod:`celery_ext.settled`). A listener runs on
 #: the thread that settled (the consumer, the keeper, a pool thread); one that raises is logged
 #: (PGJ-221) and changes nothing.
 SettleListener = Callable[[str, int, int, dict[str, Any]], None]
 settle_listeners: list[SettleListener] = []
-_OUTCOMES = {"ack": "acked", "requeue": "requeued", "reject": "dead", "bury": "dead"}
+_OUTCOMES = {"ack": "acked", "requeue": "requeued", "reject": "dead", "bury": "dead",
+             "cancel": "cancelled"}
 #: the most reject reasons / delivery headers remembered for settles still to come
 _MAX_REMEMBERED = 100_000
 
@@ -89,6 +91,24 @@ def add_settle_listener(fn: SettleListener) -> None:
     """Register a settle listener for every backend of this process (idempotent)."""
     if fn not in settle_listeners:
         settle_listeners.append(fn)
+
+
+#: Told when a run this process holds must end: ``fn(why, job_id, claim, headers)`` with why
+#: ``cancelled`` (an operator cancelled the message while it runs: ``pgjobs cancel``,
+#: ``celery_ext.cancel``, the dashboard) or ``lost`` (the lease is no longer this process's: a
+#: renewal found the row rescued, re-claimed or settled elsewhere). The transport cannot stop a
+#: task body itself; celery_ext's listener does (it terminates a prefork child, kills a green
+#: thread, flags a thread for ``celery_ext.cancelled()``). Called once per run, on the keeper's
+#: thread; one that raises is logged and changes nothing. ``headers`` are the delivered
+#: message's (kept while any listener is registered).
+RunListener = Callable[[str, int, int, dict[str, Any]], None]
+run_listeners: list[RunListener] = []
+
+
+def add_run_listener(fn: RunListener) -> None:
+    """Register a run listener for every backend of this process (idempotent)."""
+    if fn not in run_listeners:
+        run_listeners.append(fn)
 
 
 def release_all() -> None:
@@ -158,6 +178,9 @@ class Backend:
         self._ack_listeners: list[Callable[[], None]] = []
         # leases this process holds: id -> claim
         self.held: dict[int, int] = {}
+        # held runs an operator cancelled (the keeper's renewal said so): their ack goes to the
+        # dead letters as 'cancelled' (job_bury), not to the ack buffer
+        self.cancelled: set[Pair] = set()
         # acks taken from the buffer and not yet settled (their rows may already be gone)
         self._settling: set[int] = set()
         self._held_lock = threading.Lock()
@@ -270,12 +293,23 @@ class Backend:
         self._reject_reasons[task_id] = reason[:64 * 1024]
 
     def note_delivery(self, job_id: int, claim: int, headers: Any) -> None:
-        """Remember a delivered message's headers for the settle listeners (only when there
-        are any: nothing is kept otherwise)."""
-        if settle_listeners and isinstance(headers, dict):
+        """Remember a delivered message's headers for the settle and run listeners (only when
+        there are any: nothing is kept otherwise)."""
+        if (settle_listeners or run_listeners) and isinstance(headers, dict):
             if len(self._delivered) >= _MAX_REMEMBERED:
                 self._delivered.pop(next(iter(self._delivered)))
             self._delivered[(job_id, claim)] = headers
+
+    def tell_run(self, why: str, pairs: list[Pair]) -> None:
+        """Tell the run listeners that these held runs must end (``cancelled`` or ``lost``)."""
+        for pair in pairs:
+            headers = self._delivered.get(pair) or {}
+            for fn in list(run_listeners):
+                try:
+                    fn(why, pair[0], pair[1], headers)
+                except Exception as exc:
+                    log_event("pgjobs.settled.listener_failed", job_id=pair[0],
+                              error=one_line(exc))
 
     def _tell_settled(self, sent: list[Pair], hit: set[int], action: str) -> None:
         outcome = _OUTCOMES.get(action)
@@ -425,7 +459,14 @@ class Backend:
 
     # -- acks ----------------------------------------------------------------------------
     def buffer_ack(self, job_id: int, claim: int) -> None:
-        """Thread-safe and non-blocking: called from pool threads."""
+        """Thread-safe and non-blocking: called from pool threads. The ack of a run an
+        operator cancelled (its holder learned it) moves the message to the dead letters as
+        ``cancelled`` instead, at once."""
+        if self.cancelled and (job_id, claim) in self.cancelled:
+            self.cancelled.discard((job_id, claim))
+            pairs = [(job_id, claim)]
+            self._settle(pairs, "cancel", lambda c: self.core.bury(c, pairs, reason="cancelled"))
+            return
         with self._acks_lock:
             first = not self._acks
             self._acks.append((job_id, claim, time.monotonic()))
@@ -470,6 +511,15 @@ class Backend:
             for job_id, claim in pairs:
                 if self.held.get(job_id) == claim:
                     del self.held[job_id]
+                self.cancelled.discard((job_id, claim))
+
+    def renew_soon(self) -> None:
+        """Have the keeper renew now, not at its next tick (an operator cancelled a running
+        message somewhere: the renewal reads which). At most once a second."""
+        keeper = self._keeper
+        if keeper is not None:
+            keeper.renew_wanted.set()
+            keeper.ack_event.set()
 
     def settled(self, sent: list[Pair], hit: set[int], action: str) -> None:
         """Forget settled leases; log fenced misses (never raise at Celery)."""
@@ -632,6 +682,8 @@ class Keeper(threading.Thread):
         self.stop_event = threading.Event()
         self.ack_event = threading.Event()  # wakes the keeper: acks buffered, or a vacuum wanted
         self.vacuum_wanted = threading.Event()
+        self.renew_wanted = threading.Event()  # renew_soon(): a cancel was announced
+        self._renewed_at = 0.0  # monotonic time of the last renewal
         self._vacuum_after = 0.0  # monotonic time before which no churn vacuum starts
         self._conn: psycopg.Connection[Any] | None = None
         # Acks are normally folded into the consumer's next claim or flushed by it within
@@ -673,6 +725,9 @@ class Keeper(threading.Thread):
                     # (its indexes are read whole) waits longer before the next one.
                     took = time.monotonic() - started
                     self._vacuum_after = time.monotonic() + took * (1 / VACUUM_DUTY - 1)
+                if self.renew_wanted.is_set() and time.monotonic() - self._renewed_at >= 1.0:
+                    self.renew_wanted.clear()
+                    self.renew(self.connection(), b.options.lease_ttl / 2)
                 if self.ack_event.is_set():
                     self.ack_event.clear()
                     if self.stop_event.wait(ack_grace):
@@ -721,6 +776,28 @@ class Keeper(threading.Thread):
         assert self.reachable_since is not None
         return now - self.reachable_since >= self.backend.options.lease_ttl
 
+    def renew(self, conn: psycopg.Connection[Any], bound: float) -> None:
+        """Renew every lease this process holds; tell the run listeners of runs an operator
+        cancelled and of leases lost."""
+        b = self.backend
+        self._renewed_at = time.monotonic()
+        held = b.held_pairs()
+        if not held:
+            return
+        alive = b.core.renew(conn, held, timeout=bound)
+        lost = b.lost(held, set(alive))
+        if lost:
+            b.forget(lost)
+            for i, c in lost:
+                log_event("pgjobs.lease.lost", job_id=i, fence=c)
+            b.tell_run("lost", lost)
+        cancelled = [(i, c) for i, c in held if alive.get(i) and (i, c) not in b.cancelled]
+        if cancelled:
+            b.cancelled.update(cancelled)
+            for i, c in cancelled:
+                log_event("pgjobs.run.cancelled", job_id=i, fence=c)
+            b.tell_run("cancelled", cancelled)
+
     def tick(self) -> None:
         b = self.backend
         started = time.monotonic()
@@ -731,14 +808,7 @@ class Keeper(threading.Thread):
         # it renews.
         bound = b.options.lease_ttl / 2
         fleet = self.may_judge(started)
-        held = b.held_pairs()
-        if held:  # first: nothing else in the tick may hold up a renewal
-            alive = core.renew(conn, held, timeout=bound)
-            lost = b.lost(held, alive)
-            if lost:
-                b.forget(lost)
-                for i, c in lost:
-                    log_event("pgjobs.lease.lost", job_id=i, fence=c)
+        self.renew(conn, bound)  # first: nothing else in the tick may hold up a renewal
         age = b.oldest_ack_age()
         if age is not None and age >= self.ack_grace:
             # Acks a failed flush put back (a broken connection, a consumer that stopped):

@@ -481,20 +481,25 @@ def cmd_requeue(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_cancel(args: argparse.Namespace) -> dict[str, Any]:
-    """Cancel messages: ready/delayed/waiting ones are deleted, running ones marked to not return.
+    """Cancel messages: queued ones become dead letters (reason cancelled), running ones stop.
 
-    A running message's holder may still finish and ack it; a requeue or a lapsed lease deletes
-    it instead of bringing it back."""
+    A running message's holder learns of the cancel within a second and ends the run (with
+    celery_ext in the worker: the prefork child terminated, a green thread killed, a thread
+    flagged for celery_ext.checkpoint()); its message then goes to the dead letters as
+    cancelled. Dead letters are kept: `pgjobs dead requeue` brings one back."""
     with _admin(args) as admin:
-        return admin.cancel(args.ids, task_ids=args.task_id or ())
+        result = admin.cancel(args.ids, task_ids=args.task_id or ())
+    result.pop("by_task", None)
+    return result
 
 
 def _render_cancel(r: dict[str, Any]) -> str:
     parts = []
     if r["cancelled"]:
-        parts.append(f"cancelled (deleted): {', '.join(map(str, r['cancelled']))}")
+        parts.append(f"cancelled (now dead letters, reason cancelled): "
+                     f"{', '.join(map(str, r['cancelled']))}")
     if r["marked"]:
-        parts.append(f"running, marked cancelled (will not run again): "
+        parts.append(f"running, told to stop (then dead letters, reason cancelled): "
                      f"{', '.join(map(str, r['marked']))}")
     return "\n".join(parts)
 

@@ -65,6 +65,10 @@ if TYPE_CHECKING:
 
 __all__ = ["ConsumerLoop", "State", "is_connection_failure", "refill_mark"]
 
+#: the payload admin_cancel sends on the schema's channel (sql/admin.sql): not a queue name
+#: (queue names have no control characters), and it names nothing
+CANCEL_ANNOUNCED = "\x1d"
+
 log = logging.getLogger("kombu_pgjobs")
 
 #: Seconds after a hand-off before the claim that registers its queue again (_notified).
@@ -335,6 +339,11 @@ class ConsumerLoop:
         wake-up makes the consumer claim (a queue it does not consume is ignored), and a
         hand-off is delivered only if the fenced take reads it back (_deliver_handed)."""
         row: Handed | None = None
+        if queue.startswith(CANCEL_ANNOUNCED):
+            # An operator cancelled a running message somewhere: the keeper renews now and
+            # reads which (a forged one costs a renewal, at most one a second).
+            self.backend.renew_soon()
+            return
         consumed = self.consumed()
         if queue.startswith(HAND_OFF):
             waiter = self.waits.waiter

@@ -785,13 +785,14 @@ class QueueCore:
         }).fetchall()}
 
     def renew(self, conn: psycopg.Connection, pairs: Sequence[Pair], *,
-              timeout: float | None = None) -> set[int]:
+              timeout: float | None = None) -> dict[int, bool]:
         """Fenced lease renewal (a lapsed lease still running under its claim is revived);
-        returns the ids still held. ``timeout``: seconds after which the statement is
-        cancelled (QueryCanceled), whatever the session's statement_timeout."""
+        returns the ids still held, each with whether an operator cancelled it meanwhile.
+        ``timeout``: seconds after which the statement is cancelled (QueryCanceled), whatever
+        the session's statement_timeout."""
         ids, claims = _pairs(pairs)
         with _bounded(conn, timeout):
-            return {r[0] for r in conn.execute(self.q["job_renew"], {
+            return {r[0]: bool(r[1]) for r in conn.execute(self.q["job_renew"], {
                 "ids": ids, "claims": claims, "ttl": self.lease_ttl}).fetchall()}
 
     def maintain(self, conn: psycopg.Connection, *, consumed: Sequence[str], grace: float,

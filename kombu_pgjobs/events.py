@@ -57,6 +57,13 @@ EVENTS: dict[str, tuple[str, str]] = {
         "promoted standby, a restore from backup or snapshot): their base moved up once, so "
         "no claim number handed out before can be handed out again; messages running across "
         "it keep their numbers"),
+    "pgjobs.run.cancelled": (
+        "PGJ-215", "a message this process runs was cancelled by an operator (pgjobs cancel, "
+        "celery_ext.cancel, the dashboard): the run is ended (celery_ext) and the message "
+        "goes to the dead letters as cancelled when it settles"),
+    "pgjobs.run.stopped": (
+        "PGJ-216", "celery_ext ended a run: cancelled by an operator, or its lease lost (the "
+        "message is another worker's now); how depends on the pool"),
     "pgjobs.queue.redeclared": (
         "PGJ-214", "a queue this process consumes was found dropped (an operator, or a keeper "
         "of an older version): it was declared again with the bindings this process made"),

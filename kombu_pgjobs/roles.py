@@ -68,7 +68,8 @@ TABLE_RIGHTS: dict[str, dict[str, tuple[str, ...]]] = {
     # operator writes: the CLI's pause/resume, requeue, cancel, purge, prune, schedule and
     # webhook commands
     "pgjobs_job": {"operator": ("SELECT", "INSERT", "UPDATE", "DELETE")},
-    "pgjobs_dead_letter": {"operator": ("SELECT", "UPDATE", "DELETE")},  # FOR UPDATE: a lock
+    # FOR UPDATE: a lock; INSERT: a cancel keeps a queued message as a dead letter
+    "pgjobs_dead_letter": {"operator": ("SELECT", "INSERT", "UPDATE", "DELETE")},
     "pgjobs_queue": {"operator": ("SELECT", "INSERT", "UPDATE")},
     "pgjobs_counter": {"operator": ("SELECT", "INSERT", "UPDATE", "DELETE")},
     # Celery's revoke broadcast, sent by an operator's process: recorded for starting workers

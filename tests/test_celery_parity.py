@@ -147,7 +147,8 @@ def test_on_settled_once_per_landed_settle_and_dead_letters_keep_the_reason(
                       "ORDER BY task_id").fetchall()
     got = {tid: (outcome, attempts) for tid, outcome, attempts in rows}
     assert len(rows) == 3, rows  # once each
-    assert got == {ok.id: ("acked", 1), failed.id: ("acked", 1), rejected.id: ("dead", 1)}
+    assert got == {ok.id: ("completed", 1), failed.id: ("dropped", 1),
+                   rejected.id: ("failed", 1)}
     assert lost.id not in got, "a stale ack (its fence missed) is never reported"
     assert "pgjobs.settle.unowned" in worker.output()
     reason, error, run_at, holder = db.execute(

@@ -269,7 +269,7 @@ def test_requeue_cancel_and_purge(core, db, run, schema):
     marked = db.execute(f'SELECT state, cancelled_at IS NOT NULL FROM "{schema}".pgjobs_job '
                         "WHERE id = %s", (running_id,)).fetchone()
     assert marked == ("running", True)
-    # its holder's requeue cannot bring it back: the row goes, counted as cancelled
+    # its holder's requeue cannot bring it back: a dead letter (cancelled), counted so
     assert core.requeue(db, [(running_id, running_claim)], uncount=False) == {running_id}
     assert db.execute(f'SELECT count(*) FROM "{schema}".pgjobs_job WHERE id = %s',
                       (running_id,)).fetchone()[0] == 0
@@ -279,7 +279,7 @@ def test_requeue_cancel_and_purge(core, db, run, schema):
     assert_error(run("cancel", str(dead_again)), "PGJ-401")
     assert_error(run("cancel", "777777"), "PGJ-401")
     code, text = run("cancel", str(waiting[1]), json_out=False)
-    assert code == 0 and f"cancelled (deleted): {waiting[1]}" in text
+    assert code == 0 and f"cancelled (now dead letters, reason cancelled): {waiting[1]}" in text
 
     held = claim(core, db, "alpha")  # one running stays untouched by purge
     code, out = run("purge", "alpha", "--limit", "1")

@@ -319,6 +319,10 @@ def test_actions_confirm_then_act(core, db, client, schema):
     assert r.status_code == 200
     assert db.execute(f'SELECT count(*) FROM "{schema}".pgjobs_job WHERE id = %s',
                       [s["ready"]]).fetchone()[0] == 0
+    # a cancelled queued message is kept as a dead letter, reason cancelled (issue 30)
+    assert db.execute(f'SELECT reason FROM "{schema}".pgjobs_dead_letter WHERE id = %s',
+                      [s["ready"]]).fetchone() == ("cancelled",)
+    db.execute(f'DELETE FROM "{schema}".pgjobs_dead_letter WHERE id = %s', [s["ready"]])
     r = c.post(f"/messages/{s['delayed']}/requeue", data={"csrf": csrf, "confirm": "yes"})
     assert r.status_code == 200
     assert db.execute(f'SELECT run_at <= now() FROM "{schema}".pgjobs_job WHERE id = %s',

@@ -174,8 +174,9 @@ def routes(dash: Dashboard) -> list[BaseRoute]:
             lambda p: f"Requeue message {p['id']}: run it now",
             lambda a, p: a.requeue([p["id"]]), to_message), methods=post),
         Route("/messages/{id}/cancel", act(
-            lambda p: f"Cancel message {p['id']}: delete it (a running one is marked, and "
-                      "deleted instead of coming back)",
+            lambda p: f"Cancel message {p['id']}: a queued one becomes a dead letter "
+                      "(reason cancelled); a running one is stopped by its worker (with "
+                      "celery_ext), then becomes one",
             lambda a, p: a.cancel([p["id"]]), to_message), methods=post),
         Route("/dead/requeue", act(
             lambda p: _bulk("Requeue dead letters", p, ("queue", "task", "tenant", "reason")),

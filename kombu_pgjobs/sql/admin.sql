@@ -313,9 +313,14 @@ UPDATE {schema}.pgjobs_job AS j
 RETURNING j.id, j.queue, pg_notify(%(channel)s, j.queue) IS NULL AS notified;
 
 -- name: admin_cancel :many
--- Cancel live messages. A ready, delayed or waiting one is deleted (counted 'cancelled'); a running one is
--- marked (cancelled_at) so that a requeue or a lapsed lease deletes it instead of bringing it
--- back, while its holder may still ack it. Returns (outcome, id, queue).
+-- Cancel live messages. A ready, delayed or waiting one moves to the dead letters with reason
+-- 'cancelled' (kept: `pgjobs dead requeue` brings it back; counted 'cancelled'). A running one
+-- is marked (cancelled_at): its holder learns it at its next renewal and ends the run (celery_ext
+-- terminates or flags it), and its settle — ack, reject, requeue, or a lapsed lease — moves it
+-- to the dead letters as 'cancelled' instead of bringing it back. A wake-up on the schema's
+-- channel (E'\x1d' || 'cancel', ids only none) makes every consumer's keeper renew now rather
+-- than at its next tick: it names nothing, the renewal reads what is cancelled. Returns
+-- (outcome, id, queue).
 WITH target AS (
     SELECT j.id, j.state
       FROM {schema}.pgjobs_job AS j
@@ -325,7 +330,16 @@ WITH target AS (
     DELETE FROM {schema}.pgjobs_job AS j
      USING target
      WHERE j.id = target.id AND target.state IN ('ready', 'waiting')
-    RETURNING j.id, j.queue
+    RETURNING j.*
+), dead AS (
+    INSERT INTO {schema}.pgjobs_dead_letter
+           (id, queue, priority, task, claim, attempts, max_attempts, reason, error,
+            created_at, message, run_at, expires_at, worker)
+    SELECT id, queue, priority, task, claim, attempts, max_attempts, 'cancelled',
+           jsonb_build_object('type', 'Cancelled',
+                              'message', 'cancelled by an operator while queued'),
+           created_at, message, run_at, expires_at, worker
+      FROM deleted
 ), marked AS (
     UPDATE {schema}.pgjobs_job AS j
        SET cancelled_at = coalesce(j.cancelled_at, now())
@@ -340,7 +354,10 @@ WITH target AS (
 )
 SELECT 'cancelled' AS outcome, id, queue FROM deleted
 UNION ALL
-SELECT 'marked', id, queue FROM marked;
+SELECT 'marked', id, queue FROM marked
+UNION ALL
+SELECT 'notified', NULL, NULL
+ WHERE EXISTS (SELECT 1 FROM marked) AND pg_notify(%(channel)s, E'\x1dcancel') IS NULL;
 
 -- name: admin_purge :one
 -- Delete one bounded batch of a queue's ready, delayed and waiting messages (counted 'purged'). Running

@@ -259,9 +259,9 @@ HAVING %(waiter)s::bigint IS NOT NULL AND cardinality(%(barrier)s::text[]) > 0
 -- name: job_requeue :many
 -- Fenced requeue (basic_reject requeue=True, warm-shutdown restore). When %(uncount)s, the
 -- delivery does not count as an attempt (the message never started). A message on its final
--- attempt is dead-lettered instead (reason max_attempts), and a cancelled one is deleted, so a
--- task that requeues itself forever, or a cancelled one, cannot come back. NOTIFY wakes
--- consumers. Returns (id, outcome).
+-- attempt is dead-lettered instead (reason max_attempts), and a cancelled one too (reason
+-- cancelled), so a task that requeues itself forever, or a cancelled one, cannot come back.
+-- NOTIFY wakes consumers. Returns (id, outcome).
 WITH held AS (
     SELECT j.id, j.claim, j.limits, j.limit_key IS NOT NULL AS limited,
            CASE WHEN j.cancelled_at IS NOT NULL THEN 'cancelled'
@@ -294,11 +294,16 @@ WITH held AS (
     INSERT INTO {schema}.pgjobs_dead_letter
            (id, queue, priority, task, claim, attempts, max_attempts, reason, error,
             created_at, message, run_at, expires_at, worker)
-    SELECT id, queue, priority, task, claim, attempts, max_attempts, 'max_attempts',
-           jsonb_build_object('type', 'MaxAttemptsExceeded',
-                              'message', 'requeued on its final attempt'),
+    SELECT id, queue, priority, task, claim, attempts, max_attempts,
+           CASE outcome WHEN 'dead' THEN 'max_attempts' ELSE 'cancelled' END,
+           CASE outcome
+                WHEN 'dead' THEN jsonb_build_object('type', 'MaxAttemptsExceeded',
+                                                    'message', 'requeued on its final attempt')
+                ELSE jsonb_build_object('type', 'Cancelled',
+                                        'message', 'cancelled while running; its holder '
+                                                   || 'requeued it') END,
            created_at, message, run_at, expires_at, worker
-      FROM removed WHERE outcome = 'dead'
+      FROM removed
 ), released AS (
     -- Slots of limited messages are freed (and their parked rows woken) in the same statement.
     SELECT {schema}.pgjobs_release_jobs_v1(array_agg(id), array_agg(claim),
@@ -320,7 +325,8 @@ SELECT id, outcome,
 
 -- name: job_bury :many
 -- Fenced dead-lettering (basic_reject requeue=False): the row moves to pgjobs_dead_letter with
--- its reason and error, in one statement.
+-- its reason and error, in one statement; a row an operator cancelled goes with reason
+-- 'cancelled' (counted so), whatever the caller's reason.
 WITH dead AS (
     DELETE FROM {schema}.pgjobs_job AS j
      USING unnest(%(ids)s::bigint[], %(claims)s::int[]) AS a(id, claim)
@@ -332,14 +338,19 @@ WITH dead AS (
       FROM dead WHERE limit_key IS NOT NULL HAVING count(*) > 0
 ), counted AS (
     INSERT INTO {schema}.pgjobs_counter AS c (queue, outcome, bucket, shard, n)
-    SELECT queue, 'dead', date_trunc('minute', now()), %(worker)s, count(*)
-      FROM dead GROUP BY queue
+    SELECT queue, CASE WHEN cancelled_at IS NULL THEN 'dead' ELSE 'cancelled' END,
+           date_trunc('minute', now()), %(worker)s, count(*)
+      FROM dead GROUP BY queue, cancelled_at IS NULL
     ON CONFLICT (queue, outcome, bucket, shard) DO UPDATE SET n = c.n + excluded.n
 )
 INSERT INTO {schema}.pgjobs_dead_letter
        (id, queue, priority, task, claim, attempts, max_attempts, reason, error, created_at,
         message, run_at, expires_at, worker)
-SELECT id, queue, priority, task, claim, attempts, max_attempts, %(reason)s, %(error)s,
+SELECT id, queue, priority, task, claim, attempts, max_attempts,
+       CASE WHEN cancelled_at IS NULL THEN %(reason)s ELSE 'cancelled' END,
+       CASE WHEN cancelled_at IS NULL THEN %(error)s
+            ELSE jsonb_build_object('type', 'Cancelled', 'message', 'cancelled while running')
+       END,
        created_at, message, run_at, expires_at, worker
   FROM dead, (SELECT count(*) FROM released) AS r
 RETURNING id;
@@ -349,11 +360,13 @@ RETURNING id;
 -- the row is still running under the holder's claim number: nobody else can hold it (a rescue
 -- puts it back to ready, and any later claim numbers it anew), and the holder may only have
 -- been unable to reach the database (an outage longer than the lease: docs/delivery.md).
+-- Returns (id, cancelled): a message an operator cancelled while it runs (admin_cancel) is
+-- still renewed, and its holder ends the run.
 UPDATE {schema}.pgjobs_job AS j
    SET lease_expires_at = now() + make_interval(secs => %(ttl)s)
   FROM unnest(%(ids)s::bigint[], %(claims)s::int[]) AS h(id, claim)
  WHERE j.id = h.id AND j.claim = h.claim AND j.state = 'running'
-RETURNING j.id;
+RETURNING j.id, j.cancelled_at IS NOT NULL;
 
 -- name: job_maintain :many
 -- The keeper's tick, one round trip for everything periodic:
@@ -403,14 +416,18 @@ WITH fleet AS MATERIALIZED (
            (id, queue, priority, task, claim, attempts, max_attempts, reason, error,
             created_at, message, run_at, expires_at, worker)
     SELECT id, queue, priority, task, claim, attempts, max_attempts,
-           'lease_expired_final_attempt',
-           jsonb_build_object('type', 'LeaseExpired',
-                              'message', 'lease lapsed on the final attempt (held by '
-                                         || coalesce(worker, '?') || ')'),
+           CASE WHEN cancelled_at IS NULL THEN 'lease_expired_final_attempt'
+                ELSE 'cancelled' END,
+           CASE WHEN cancelled_at IS NULL
+                THEN jsonb_build_object('type', 'LeaseExpired',
+                                        'message', 'lease lapsed on the final attempt (held by '
+                                                   || coalesce(worker, '?') || ')')
+                ELSE jsonb_build_object('type', 'Cancelled',
+                                        'message', 'cancelled while running; its lease lapsed')
+           END,
            created_at, message, run_at, expires_at, worker
       FROM buried
-     WHERE cancelled_at IS NULL
-    RETURNING id, queue
+    RETURNING id, queue, reason
 ), requeued AS (
     UPDATE {schema}.pgjobs_job AS j
        SET state = 'ready', lease_expires_at = NULL, worker = NULL, delayed = false
@@ -518,9 +535,9 @@ WITH fleet AS MATERIALIZED (
      WHERE NOT EXISTS (SELECT 1 FROM {schema}.pgjobs_queue AS q WHERE q.name = c.name)
 ), settled AS (
     SELECT queue, 'rescued' AS outcome FROM requeued
-    UNION ALL SELECT queue, 'dead' FROM dead
+    UNION ALL SELECT queue, CASE reason WHEN 'cancelled' THEN 'cancelled' ELSE 'dead' END
+                FROM dead
     UNION ALL SELECT queue, 'expired' FROM expired
-    UNION ALL SELECT queue, 'cancelled' FROM buried WHERE cancelled_at IS NOT NULL
 ), counted AS (
     INSERT INTO {schema}.pgjobs_counter AS c (queue, outcome, bucket, shard, n)
     SELECT queue, outcome, date_trunc('minute', now()), %(worker)s, count(*)

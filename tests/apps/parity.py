@@ -73,3 +73,49 @@ def _settled(sender: Any = None, outcome: str = "", task_id: str = "", attempts:
              tenant: str | None = None, **_: Any) -> None:
     execute(f'INSERT INTO "{SCHEMA}".pgjobs_test_settled (task, outcome, task_id, attempts) '
             "VALUES (%s, %s, %s, %s)", (sender, outcome, task_id, attempts))
+
+
+@app.task(name="parity.steps", shared=False)
+def steps(label: str, n: int, seconds: float) -> None:
+    """A long task in steps, checking for a cancel between them (celery_ext.checkpoint()):
+    records its start, each step, and its end."""
+    started = time.time()
+    execute(f'INSERT INTO "{SCHEMA}".pgjobs_test_start (label, pid) VALUES (%s, %s)',
+            (label, os.getpid()))
+    for _ in range(n):
+        time.sleep(seconds)
+        celery_ext.checkpoint()
+    _record(label, started)
+
+
+@app.task(name="parity.fail_kept", shared=False)
+def fail_kept(label: str) -> None:
+    """Fails for good; kept as a dead letter (dead_letter defaults to True)."""
+    raise ValueError(f"kept {label}")
+
+
+@app.task(name="parity.retry_once", shared=False, bind=True, default_retry_delay=0)
+def retry_once(self: Any, label: str) -> None:
+    """Retries once (Celery's retry: the same task id's next message), then completes."""
+    if self.request.retries == 0:
+        raise self.retry(countdown=0)
+    _record(label, time.time())
+
+
+@app.task(name="parity.requeue_once", shared=False)
+def requeue_once(label: str) -> None:
+    """Requeues its message on its first delivery (Reject(requeue=True)), then completes."""
+    execute(f'INSERT INTO "{SCHEMA}".pgjobs_test_start (label, pid) VALUES (%s, %s)',
+            (label, os.getpid()))
+    runs = common.db().execute(f'SELECT count(*) FROM "{SCHEMA}".pgjobs_test_start '
+                               "WHERE label = %s", (label,)).fetchone()[0]
+    if runs == 1:
+        raise Reject("once", requeue=True)
+    _record(label, time.time())
+
+
+@app.task(name="parity.early_fail", shared=False, acks_late=False)
+def early_fail(label: str) -> None:
+    """Acked when it starts (Celery's early ack), then fails for good."""
+    time.sleep(0.5)
+    raise ValueError(f"early {label}")
