@@ -181,6 +181,8 @@ class Backend:
         # held runs an operator cancelled (the keeper's renewal said so): their ack goes to the
         # dead letters as 'cancelled' (job_bury), not to the ack buffer
         self.cancelled: set[Pair] = set()
+        # deliveries whose message was settled another way (release()): their ack is dropped
+        self._released: set[Pair] = set()
         # acks taken from the buffer and not yet settled (their rows may already be gone)
         self._settling: set[int] = set()
         self._held_lock = threading.Lock()
@@ -462,6 +464,9 @@ class Backend:
         """Thread-safe and non-blocking: called from pool threads. The ack of a run an
         operator cancelled (its holder learned it) moves the message to the dead letters as
         ``cancelled`` instead, at once."""
+        if self._released and (job_id, claim) in self._released:
+            self._released.discard((job_id, claim))  # settled already: nothing to ack
+            return
         if self.cancelled and (job_id, claim) in self.cancelled:
             self.cancelled.discard((job_id, claim))
             pairs = [(job_id, claim)]
@@ -512,6 +517,17 @@ class Backend:
                 if self.held.get(job_id) == claim:
                     del self.held[job_id]
                 self.cancelled.discard((job_id, claim))
+
+    def release(self, pairs: list[Pair]) -> None:
+        """These deliveries' messages were settled by a statement of the caller's own, fenced
+        on the same ``(id, claim)`` (celery_ext's durable sleep hands its message back parked):
+        stop renewing their leases, and drop the ack Celery will send for them (it would only
+        miss its fence and log PGJ-201). Bounded: kept until that ack comes."""
+        self.forget(pairs)
+        with self._held_lock:
+            if len(self._released) >= _MAX_REMEMBERED:
+                self._released.clear()
+            self._released.update(pairs)
 
     def renew_soon(self) -> None:
         """Have the keeper renew now, not at its next tick (an operator cancelled a running
