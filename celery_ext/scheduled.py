@@ -19,8 +19,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import psycopg
 from celery.worker import control
 
+from kombu_pgjobs.errors import DatabaseUnavailable
+from kombu_pgjobs.events import log_event, one_line
 from kombu_pgjobs.transport import Transport as PgJobsTransport
 
 __all__ = ["LIMIT", "install_scheduled"]
@@ -72,8 +75,15 @@ def scheduled(state: Any, **kwargs: Any) -> list[dict[str, Any]]:
         by_backend.setdefault(id(backend), (backend, []))[1].append(queue)
     rows: list[Any] = []
     for backend, names in by_backend.values():
-        rows += backend.publishing(lambda c, b=backend, n=names: c.execute(
-            b.core.q["scheduled_list"], {"queues": n, "limit": LIMIT}).fetchall())
+        try:
+            rows += backend.publishing(lambda c, b=backend, n=names: c.execute(
+                b.core.q["scheduled_list"], {"queues": n, "limit": LIMIT}).fetchall())
+        except (DatabaseUnavailable, psycopg.OperationalError) as exc:
+            if backend is transport.backend:
+                raise  # the default database: the reply is the error, as for any command
+            # a shard that is down: the others' ETA tasks are listed (PGJ-217)
+            log_event("pgjobs.shard.unavailable", what="inspect scheduled",
+                      queues=",".join(names), error=one_line(exc))
     if len(by_backend) > 1:
         rows.sort(key=lambda r: r[3])  # soonest first across databases
     return [_entry(queue, priority, run_at, headers, info)

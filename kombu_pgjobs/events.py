@@ -64,6 +64,12 @@ EVENTS: dict[str, tuple[str, str]] = {
     "pgjobs.run.stopped": (
         "PGJ-216", "celery_ext ended a run: cancelled by an operator, or its lease lost (the "
         "message is another worker's now); how depends on the pool"),
+    "pgjobs.shard.unavailable": (
+        "PGJ-217", "work on a shard's database waits for it or skips it: the shard cannot be "
+        "reached (PGJ-113); the other databases' queues go on"),
+    "pgjobs.shard.declare_failed": (
+        "PGJ-218", "a queue declaration kept for a down shard was refused when the shard came "
+        "back (not for being unreachable: a bad name, a missing right); it is not retried"),
     "pgjobs.queue.redeclared": (
         "PGJ-214", "a queue this process consumes was found dropped (an operator, or a keeper "
         "of an older version): it was declared again with the bindings this process made"),

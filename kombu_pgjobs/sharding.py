@@ -66,7 +66,7 @@ from .backend import Backend, backend_for
 from .consumer import ConsumerLoop
 from .core import Claimed
 from .errors import ConfigurationError, DatabaseUnavailable, InvalidShardURL, ShardUnavailable
-from .events import one_line
+from .events import log_event, one_line
 from .green import wait_readable
 from .shardmap import DEFAULT, ShardMap, shard_label
 from .url import masked
@@ -103,10 +103,8 @@ def unreachable(exc: BaseException) -> bool:
 
 def log_unavailable(what: str, exc: ShardUnavailable, **fields: Any) -> None:
     """Log work that waits for (or skips) a down shard instead of raising (PGJ-113)."""
-    log.warning("pgjobs.shard.unavailable [%s] %s: %s %s", ShardUnavailable.code, what,
-                exc.message, " ".join(f"{k}={v}" for k, v in fields.items()),
-                extra={"action": "pgjobs.shard.unavailable", "code": ShardUnavailable.code,
-                       "shard": exc.shard, **fields})
+    log_event("pgjobs.shard.unavailable", what=what, shard=exc.shard, error=exc.message,
+              **fields)
 
 
 class Shards:
@@ -244,8 +242,7 @@ class KeptDeclarations:
                         for q, f in todo[done:]:
                             left.setdefault(q, f)
                     raise
-                log.warning("pgjobs.shard.declare_failed %s: %s", queue, one_line(exc),
-                            extra={"action": "pgjobs.shard.declare_failed", "queue": queue})
+                log_event("pgjobs.shard.declare_failed", queue=queue, error=one_line(exc))
 
     def _retry(self) -> None:
         delay = RETRY_FIRST

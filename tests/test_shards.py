@@ -603,3 +603,30 @@ def test_a_shard_that_does_not_answer_never_holds_the_default_databases_claims(
         assert [m.payload for m in again] == [{"n": "b1"}]
         wait_for(lambda: jobs(shard_server.dsn, schema) == [], 10, what="b1's ack")
         assert [r for r in jobs(DSN, schema) if r[0] == "other"] == []
+
+
+def test_inspect_scheduled_lists_the_default_databases_eta_tasks_while_a_shard_is_down(
+        shard_server: PrivateServer, url: str, recorder_tables: str,
+        start_worker: Any) -> None:
+    """celery_ext's `inspect scheduled` reads every database the worker consumes: with the
+    shard's server stopped it still answers, listing the default database's ETA tasks (and
+    logs PGJ-217 for the shard), rather than answering with an error."""
+    from tests.conftest import import_app
+
+    schema = recorder_tables
+    env = {"PGJOBS_TEST_SHARDS": json.dumps({"billing": shard_server.url}),
+           "PGJOBS_TEST_CELERY_EXT": "1"}
+    app = import_app("tests.apps.sharded", schema, url, **env)
+    worker = start_worker(name="sched", app="tests.apps.sharded", env=env,
+                          extra=["-Q", "billing,other"])
+    later = app.record.apply_async(("later",), queue="other", countdown=600)
+    app.record.apply_async(("billing-later",), queue="billing", countdown=600)
+    shard_server.halt()
+    replies = app.app.control.inspect(timeout=10.0).scheduled()
+    assert replies, "the worker answered"
+    (name, entries), = replies.items()
+    assert isinstance(entries, list), entries
+    assert [e["request"]["id"] for e in entries] == [later.id]
+    wait_for(lambda: "pgjobs.shard.unavailable" in worker.output(), 5,
+             what="the skipped shard logged")
+    app.app.close()
