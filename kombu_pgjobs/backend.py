@@ -35,6 +35,7 @@ from .errors import (
     MigrationError,
     PermissionDenied,
     PgJobsError,
+    PoolerUnsupported,
     PublishFailed,
 )
 from .events import log_event, one_line
@@ -193,6 +194,9 @@ class Backend:
         self._delivered: dict[Pair, dict[str, Any]] = {}
         self._reject_reasons: dict[str, str] = {}
         self._consumer_seen = False  # it consumed: its keeper registers it (pgjobs_consumer)
+        #: a transaction pooler the keeper ran into (PGJ-112): the consumer raises it, so a
+        #: worker stops rather than run while its leases cannot be renewed
+        self.unsupported: PoolerUnsupported | None = None
         self._keeper: Keeper | None = None
         self._keeper_lock = threading.Lock()
 
@@ -754,6 +758,12 @@ class Keeper(threading.Thread):
                 if time.monotonic() >= next_tick:
                     next_tick = time.monotonic() + interval
                     self.tick()
+            except PoolerUnsupported as exc:  # a configuration error: the consumer raises it
+                b.unsupported = exc
+                log_event("pgjobs.keeper.unsupported", logging.ERROR, error=exc.message)
+                for wake in list(b._ack_listeners):
+                    wake()
+                break
             except (psycopg.Error, PgJobsError) as exc:  # unreachable database: retry next tick
                 # once per outage: it retries every second until the database answers
                 log.log(logging.DEBUG if self._failing else logging.WARNING,

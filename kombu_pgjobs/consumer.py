@@ -690,6 +690,8 @@ class ConsumerLoop:
         they are the ``broken`` transition, retried after a backoff; but a transaction pooler
         that refuses prepared statements (:class:`PoolerUnsupported`) is raised, then and at
         every later call."""
+        if self.unsupported is None and self.backend.unsupported is not None:
+            self.unsupported = self.backend.unsupported  # the keeper ran into it
         if self.unsupported is not None:
             raise self.unsupported
         try:

@@ -70,6 +70,10 @@ EVENTS: dict[str, tuple[str, str]] = {
     "pgjobs.shard.declare_failed": (
         "PGJ-218", "a queue declaration kept for a down shard was refused when the shard came "
         "back (not for being unreachable: a bad name, a missing right); it is not retried"),
+    "pgjobs.keeper.unsupported": (
+        "PGJ-219", "the keeper's statements fail behind a transaction pooler (PGJ-112): it "
+        "stops, and the consumer raises the error so the worker stops rather than run while "
+        "its leases cannot be renewed"),
     "pgjobs.queue.redeclared": (
         "PGJ-214", "a queue this process consumes was found dropped (an operator, or a keeper "
         "of an older version): it was declared again with the bindings this process made"),

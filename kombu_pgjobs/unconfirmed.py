@@ -34,7 +34,8 @@ import psycopg
 from psycopg import pq, sql
 
 from .core import NewJob
-from .errors import PublishFailed
+from .database import pooler_error
+from .errors import PoolerUnsupported, PublishFailed
 
 __all__ = ["Unconfirmed", "positional"]
 
@@ -45,6 +46,10 @@ _SYNC = pq.ExecStatus.PIPELINE_SYNC
 #: from where it is used (what psycopg does for a str)
 _OIDS = {"priority": 23, "max_attempts": 23, "run_at": 1184, "ttl_ms": 701}
 
+
+#: SQLSTATEs of a prepared statement the server does not hold (26000) or holds from another
+#: client (42P05): a transaction pooler between (database.PREPARED_STATEMENT_ERRORS)
+_PREPARED_STATEMENT_STATES = (b"26000", b"42P05")
 
 def positional(query: bytes) -> tuple[bytes, list[str]]:
     """``%(name)s`` placeholders as ``$1, $2...`` (a name used twice gets one number), and the
@@ -97,6 +102,9 @@ class Unconfirmed:
         self.broken = False
         self._head_error: str | None = None  # the oldest message's INSERT failed with this
         self._failed: list[str] = []  # failures not yet raised
+        #: a prepared statement the server did not hold: a transaction pooler (PGJ-112),
+        #: raised instead of the failures it caused
+        self.unsupported: PoolerUnsupported | None = None
 
     # -- sending -------------------------------------------------------------------------
     def send(self, job: NewJob) -> None:
@@ -187,6 +195,12 @@ class Unconfirmed:
                     self._head_error = None
             elif result.status != _OK:
                 self._head_error = (result.error_message or b"").decode(errors="replace")
+                state = result.error_field(pq.DiagnosticField.SQLSTATE)
+                if self.prepare and state in _PREPARED_STATEMENT_STATES:
+                    error = psycopg.errors.lookup(state.decode())(self._head_error)
+                    self.unsupported = pooler_error(error, None)
+                    if self.unsupported is not None:
+                        self.unsupported.__cause__ = error
 
     def confirm(self, timeout: float | None = None, *, raise_failed: bool = True) -> None:
         """Wait until every message sent is confirmed, then leave pipeline mode (the
@@ -215,6 +229,10 @@ class Unconfirmed:
         return failed
 
     def _raise_failed(self, then: str = "") -> None:
+        if self.unsupported is not None and self._failed:
+            # those publishes failed for the pooler, not for what they carried: say so
+            self._failed = []
+            raise self.unsupported
         if self._failed:
             failed, self._failed = self._failed, []
             raise PublishFailed(
@@ -238,4 +256,7 @@ class Unconfirmed:
         if result is None or result.status != _OK:
             if self.pg.status == pq.ConnStatus.BAD or result is None:
                 raise psycopg.OperationalError("the publish connection is broken")
-            raise psycopg.errors.error_from_result(result, encoding="utf-8")
+            exc = psycopg.errors.error_from_result(result, encoding="utf-8")
+            if self.prepare and (unsupported := pooler_error(exc, None)) is not None:
+                raise unsupported from exc
+            raise exc

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import random
 import re
+import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
@@ -83,6 +84,10 @@ class Ticket:
     wakes: dict[str, int]
 
 
+#: seconds a dropped registration's queue is still expected on the wake channel
+DROPPED_FOR = 60.0
+
+
 class Waits:
     """Registration states of one claim connection's queues (see the module docstring)."""
 
@@ -100,8 +105,11 @@ class Waits:
         #: (and so registers again) even below its refill mark, as a woken consumer would
         self.rearm: set[str] = set()
         #: registrations dropped (queues no longer consumed) whose wake-up may still come: a
-        #: publish that took one before the drop woke this consumer for it
-        self.dropped: set[str] = set()
+        #: publish that took one before the drop woke this consumer for it. By queue, the
+        #: monotonic time of the drop: kept DROPPED_FOR seconds (a wake-up sent before the
+        #: drop committed arrives within moments), so a connection that consumed many
+        #: short-lived queues (Celery's reply queues) does not keep them all
+        self.dropped: dict[str, float] = {}
 
     @property
     def channel(self) -> str:
@@ -136,7 +144,7 @@ class Waits:
     def woken(self, queue: str, consumed: Collection[str]) -> None:
         """A wake-up on this consumer's channel: its registration on ``queue`` was deleted."""
         self.state.pop(queue, None)
-        self.dropped.discard(queue)
+        self.dropped.pop(queue, None)
         self._wakes[queue] = self._wakes.get(queue, 0) + 1
         if queue not in consumed:
             self.pass_on.add(queue)
@@ -193,9 +201,19 @@ class Waits:
         return again
 
     def stale(self, consumed: Collection[str]) -> list[str]:
-        """Registered queues no longer consumed (their registrations are to be dropped)."""
+        """Registered queues no longer consumed (their registrations are to be dropped). Also
+        forgets what is kept of queues gone from this connection: wake-up counts of queues
+        neither consumed nor registered (only consumed queues' counts are read), drops older
+        than :data:`DROPPED_FOR`."""
         gone = [q for q in self.state if q not in consumed]
+        now = time.monotonic()
         for q in gone:
             del self.state[q]
-        self.dropped.update(gone)
+            self.dropped[q] = now
+        for q in [q for q, at in self.dropped.items() if now - at > DROPPED_FOR]:
+            del self.dropped[q]
+        if len(self._wakes) > len(consumed) + len(self.state):
+            for q in [q for q in self._wakes if q not in consumed and q not in self.state
+                      and q not in self.dropped]:
+                del self._wakes[q]
         return gone

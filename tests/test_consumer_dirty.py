@@ -23,6 +23,7 @@ import kombu
 import psycopg
 import pytest
 
+from kombu_pgjobs import waiting
 from kombu_pgjobs.consumer import ConsumerLoop
 
 FOREIGN = 150  # queues of other processes, published to while the consumer drains
@@ -69,7 +70,9 @@ def consumer(url: str, schema: str) -> Iterator[tuple[kombu.Connection, list[Any
 
 def test_the_dirty_set_holds_consumed_queues_only(
         consumer: tuple[kombu.Connection, list[Any]], url: str, schema: str,
-        dsn: str) -> None:
+        dsn: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # what the wake-up bookkeeping keeps of dropped registrations: 1 s here, not 60
+    monkeypatch.setattr(waiting, "DROPPED_FOR", 1.0)
     conn, got = consumer
     loop = conn.transport.consumer
     assert isinstance(loop, ConsumerLoop)
@@ -149,3 +152,11 @@ def test_the_dirty_set_holds_consumed_queues_only(
     _drain(conn, lambda: not loop.dirty and loop.backend.oldest_ack_age() is None, 10,
            "the loop idle")
     assert loop.wait_budget(time.monotonic()) > 1.5
+
+    # nor does the wake-up bookkeeping keep the queues it stopped consuming: the drops (one
+    # a reply queue) go after DROPPED_FOR, and wake-up counts of queues no longer consumed
+    time.sleep(1.5)
+    _turn(conn)
+    assert not loop.waits.dropped, sorted(loop.waits.dropped)
+    assert set(loop.waits._wakes) <= set(loop.consumed()) | set(loop.waits.state), \
+        sorted(loop.waits._wakes)

@@ -379,6 +379,46 @@ def test_default_options_publish_raises_pgj_112_when_the_server_forgets(
     assert _count(db, f'SELECT count(*) FROM "{schema}".pgjobs_job') == 1
 
 
+def test_default_options_unconfirmed_publish_raises_pgj_112_not_publish_failed(
+        bouncer: PgBouncer, db: psycopg.Connection[Any], schema: str) -> None:
+    """confirm_publish=False sends its INSERTs as its own prepared statement: when the server
+    connection does not hold it, the next publish (or the confirm) raises PGJ-112 — not
+    PGJ-107 PublishFailed, as if the messages were at fault — and nothing was written."""
+    options = {"schema": schema, "confirm_publish": False}
+    with kombu.Connection(bouncer.url(), transport_options=options) as conn:
+        q = conn.SimpleQueue("unconfirmed")
+        q.put({"i": 0})
+        conn.default_channel.backend.confirm_publishes()  # the first one lands
+        _forget_prepared(bouncer)
+        with pytest.raises(PoolerUnsupported) as info:
+            for i in range(1, 4):  # sent unconfirmed: raised at the next publish or confirm
+                q.put({"i": i})
+            conn.default_channel.backend.confirm_publishes()
+        _assert_pgj_112(info.value)
+        q.close()
+    assert _count(db, f'SELECT count(*) FROM "{schema}".pgjobs_job') == 1
+
+
+def test_default_options_keeper_pgj_112_stops_the_consumer(
+        bouncer: PgBouncer, db: psycopg.Connection[Any], schema: str) -> None:
+    """The keeper's renewal fails behind the pooler: it logs PGJ-219 and stops, and the
+    consumer raises PGJ-112 at its next turn — a worker never runs on while the leases of its
+    tasks cannot be renewed."""
+    options = {"schema": schema, "lease_ttl": 1.5}
+    with kombu.Connection(bouncer.url(), transport_options=options) as conn:
+        q = conn.SimpleQueue("kept")
+        q.put({"i": 0})
+        held = q.get(timeout=10)  # held: the keeper renews it every half second
+        backend = conn.default_channel.backend
+        _forget_prepared(bouncer)  # (its first statement may already have collided)
+        wait_for(lambda: backend.unsupported is not None, 10, what="the keeper to stop")
+        _assert_pgj_112(backend.unsupported)
+        with pytest.raises(PoolerUnsupported):
+            q.get(timeout=2)
+        del held
+        q.close()
+
+
 def test_default_options_consumer_raises_pgj_112(
         bouncer: PgBouncer, db: psycopg.Connection[Any], schema: str) -> None:
     """The claim connection's first prepared claim meets another client's statement of the

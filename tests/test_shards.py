@@ -624,7 +624,7 @@ def test_inspect_scheduled_lists_the_default_databases_eta_tasks_while_a_shard_i
     shard_server.halt()
     replies = app.app.control.inspect(timeout=10.0).scheduled()
     assert replies, "the worker answered"
-    (name, entries), = replies.items()
+    (_name, entries), = replies.items()
     assert isinstance(entries, list), entries
     assert [e["request"]["id"] for e in entries] == [later.id]
     wait_for(lambda: "pgjobs.shard.unavailable" in worker.output(), 5,
