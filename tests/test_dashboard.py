@@ -701,3 +701,76 @@ def test_bulk_dead_letter_actions_act_on_the_filter_shown(core, db, client, sche
                headers={"accept": "application/json"})
     assert r.status_code >= 400 and "PGJ-405" in r.text, r.text
     assert dead() == sorted(other)
+
+
+def test_bulk_confirmation_counts_the_rows_and_acts_on_those_only(core, db, client, schema):
+    """A bulk action's confirmation (the form without confirm=yes) reads the rows the page's
+    filter lists now and says how many; confirmed, it touches exactly those: a dead letter of
+    the same filter that arrives between the confirmation and the click stays dead. The
+    result is a page in words for a browser, JSON only when asked for."""
+    boom = [kill_dead(core, db, "alpha") for _ in range(3)]
+    other = [kill_dead(core, db, "alpha") for _ in range(2)]
+    db.execute(f'UPDATE "{schema}".pgjobs_dead_letter '
+               "SET task = CASE WHEN id = ANY(%s) THEN 'shop.boom' ELSE 'shop.other' END",
+               [boom])
+
+    def dead() -> list[int]:
+        return [r[0] for r in db.execute(
+            f'SELECT id FROM "{schema}".pgjobs_dead_letter ORDER BY id').fetchall()]
+
+    c = client(write=True, token=TOKEN)
+    csrf = sign_in(c)
+    page = c.get("/dead?queue=alpha&task=shop.boom").text
+    bulk = re.search(r'<div class="bulk".*?</div>', page, re.S).group(0)
+    assert "data-confirm" not in bulk  # the server's confirmation, which counts
+    r = c.post("/dead/requeue", data={"csrf": csrf, "queue": "alpha", "task": "shop.boom"})
+    assert r.status_code == 200
+    count = re.search(r'<p id="count">This touches <b>(\d+)</b>', r.text)
+    assert count and int(count.group(1)) == 3, r.text
+    form = dict(re.findall(r'<input type="hidden" name="([^"]+)" value="([^"]*)"', r.text))
+    assert sorted(int(i) for i in form["ids"].split(",")) == sorted(boom)
+    assert form["confirm"] == "yes" and form["task"] == "shop.boom"
+    late = kill_dead(core, db, "alpha")  # matches the filter, after the confirmation
+    db.execute(f"UPDATE \"{schema}\".pgjobs_dead_letter SET task = 'shop.boom' WHERE id = %s",
+               [late])
+    r = c.post("/dead/requeue", data=form)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+    assert "Requeued 3 dead letters" in r.text
+    assert 'href="/dead?queue=alpha&amp;task=shop.boom" id="back"' in r.text
+    assert dead() == sorted([*other, late])
+    # a script gets JSON: the preview, then the result
+    r = c.post("/dead/requeue", data={"queue": "alpha", "task": "shop.boom"},
+               headers={"authorization": f"Bearer {TOKEN}", "accept": "application/json"})
+    assert r.json()["count"] == 1 and r.json()["fields"]["ids"] == str(late)
+    # purge all: counted the same way, and confirmed on the rows listed only
+    r = c.post("/dead/purge", data={"csrf": csrf, "queue": "alpha"})
+    assert re.search(r"This touches <b>3</b>", r.text), r.text
+    form = dict(re.findall(r'<input type="hidden" name="([^"]+)" value="([^"]*)"', r.text))
+    extra = kill_dead(core, db, "alpha")
+    r = c.post("/dead/purge", data=form)
+    assert r.status_code == 200 and "Deleted 3 dead letters for good" in r.text
+    assert dead() == [extra]
+    # a filter the purge cannot apply is refused at the confirmation already
+    r = c.post("/dead/purge", data={"csrf": csrf, "queue": "alpha", "task": "shop.other"})
+    assert r.status_code == 400 and "PGJ-405" in r.text and dead() == [extra]
+    # nothing listed: nothing to confirm
+    r = c.post("/dead/requeue", data={"csrf": csrf, "queue": "alpha", "task": "no.such"})
+    assert "Nothing matches now" in r.text and 'id="confirm-form"' not in r.text
+
+
+def test_queue_purge_confirmation_counts_and_bounds_the_purge(core, db, client, schema):
+    ids = [publish(core, db, "gamma") for _ in range(4)]
+    claim(core, db, "gamma")  # ids[0] runs: a purge leaves it
+    c = client(write=True, token=TOKEN)
+    csrf = sign_in(c)
+    assert 'action="/queues/gamma/purge" class="inline">' in c.get("/").text  # no dialog
+    r = c.post("/queues/gamma/purge", data={"csrf": csrf})
+    assert re.search(r"This touches <b>3</b>", r.text), r.text
+    form = dict(re.findall(r'<input type="hidden" name="([^"]+)" value="([^"]*)"', r.text))
+    assert form["limit"] == "3"
+    later = publish(core, db, "gamma")
+    r = c.post("/queues/gamma/purge", data=form)
+    assert r.status_code == 200 and "Deleted 3 messages of queue gamma" in r.text
+    left = [r[0] for r in db.execute(f'SELECT id FROM "{schema}".pgjobs_job '
+                                     "WHERE queue = 'gamma' ORDER BY id")]
+    assert left == [ids[0], later]

@@ -171,3 +171,50 @@ def test_browser_overview_filter_and_requeue_a_dead_letter(
     assert row == ("emails", "ready", 0)
     assert db.execute(f'SELECT count(*) FROM "{schema}".pgjobs_dead_letter WHERE id = %s',
                       [dead]).fetchone()[0] == 0
+
+
+def test_browser_bulk_requeue_by_task_moves_only_the_listed_rows(
+        db: psycopg.Connection[Any], schema: str, core: QueueCore, server: str,
+        browser: Any) -> None:
+    """Dead letters filtered by task, "requeue all": the confirmation says how many rows it
+    touches (the ones listed), and only those go back to ready; the other task's dead letters
+    of the same queue stay dead. The result is a page in words, not a JSON dump."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as ec
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    boom = [kill_dead(core, db, "shop") for _ in range(3)]
+    other = [kill_dead(core, db, "shop") for _ in range(4)]
+    db.execute(f'UPDATE "{schema}".pgjobs_dead_letter '
+               "SET task = CASE WHEN id = ANY(%s) THEN 'shop.boom' ELSE 'shop.other' END",
+               [boom])
+    wait = WebDriverWait(browser, 30)
+    browser.get(server + "/login")
+    browser.find_element(By.NAME, "token").send_keys(TOKEN)
+    browser.find_element(By.CSS_SELECTOR, "#login button").click()
+    wait.until(ec.presence_of_element_located((By.CSS_SELECTOR, ".badge.rw")))
+
+    browser.find_element(By.LINK_TEXT, "Dead letters").click()
+    form = browser.find_element(By.CSS_SELECTOR, "form.filters")
+    form.find_element(By.NAME, "queue").send_keys("shop")
+    form.find_element(By.NAME, "task").send_keys("shop.boom")
+    form.find_element(By.TAG_NAME, "button").click()
+    wait.until(ec.url_contains("task=shop.boom"))
+    listed = sorted(int(r.get_attribute("data-id"))
+                    for r in browser.find_elements(By.CSS_SELECTOR, "#dead tbody tr[data-id]"))
+    assert listed == sorted(boom)
+
+    browser.find_element(By.XPATH, "//div[@id='bulk']//button[text()='requeue all']").click()
+    count = wait.until(ec.presence_of_element_located((By.ID, "count")))
+    assert f"This touches {len(listed)} rows" in count.text, count.text
+    browser.find_element(By.XPATH, "//form[@id='confirm-form']//button").click()
+    done = wait.until(ec.presence_of_element_located((By.ID, "done")))
+    assert f"Requeued {len(listed)} dead letters" in done.text
+    assert not browser.find_element(By.ID, "result").is_displayed()  # the JSON, folded away
+
+    still_dead = [r[0] for r in db.execute(
+        f'SELECT id FROM "{schema}".pgjobs_dead_letter ORDER BY id').fetchall()]
+    assert still_dead == sorted(other)
+    moved = db.execute(f'SELECT id, state FROM "{schema}".pgjobs_job WHERE id = ANY(%s) '
+                       "ORDER BY id", [boom]).fetchall()
+    assert moved == [(i, "ready") for i in sorted(boom)]

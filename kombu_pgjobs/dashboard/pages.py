@@ -13,6 +13,7 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from ..admin import STATES, Admin
+from .actions import BULK_BATCH
 from .app import Dashboard
 
 __all__ = ["chart", "routes"]
@@ -111,7 +112,8 @@ def routes(dash: Dashboard) -> list[BaseRoute]:
         page = await dash.run(lambda admin: admin.dead_ls(
             queue=filters["queue"], task=filters["task"], reason=filters["reason"],
             tenant=filters["tenant"], after=after, limit=PAGE))
-        return dash.render(request, "dead.html", {"page": page, "filters": filters})
+        return dash.render(request, "dead.html", {"page": page, "filters": filters,
+                                                  "batch": BULK_BATCH})
 
     async def limits(request: Request) -> Response:
         key = _arg(request, "key")
