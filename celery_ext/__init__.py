@@ -60,7 +60,7 @@ from .scheduled import install_scheduled
 from .settled import on_settled, start_telling
 from .state import add_app, installed
 from .tenant import check_tenant_required, current_tenant, tenant_required
-from .worker_sync import enable_worker_sync, load_revokes
+from .worker_sync import enable_worker_sync, load_revokes, name_worker
 
 __all__ = ["RULES", "Cancelled", "OutboxRelay", "Task", "cancel", "cancelled", "checkpoint",
            "current_tenant", "install", "on_settled", "transaction"]
@@ -107,6 +107,7 @@ def install(app: Any) -> Any:
     start_telling()
     start_stopping()
     enable_worker_sync()
+    signals.worker_init.connect(name_worker, weak=False, dispatch_uid="celery_ext.identity")
     signals.worker_init.connect(load_revokes, weak=False, dispatch_uid="celery_ext.revokes")
     install_scheduled()
     register_flower()

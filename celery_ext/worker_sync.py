@@ -19,12 +19,13 @@ from typing import Any
 from celery.worker.consumer.gossip import Gossip
 from celery.worker.consumer.mingle import Mingle
 
+from kombu_pgjobs.backend import set_identity
 from kombu_pgjobs.events import one_line
 from kombu_pgjobs.transport import Transport
 
 from .state import installed
 
-__all__ = ["enable_worker_sync", "load_revokes"]
+__all__ = ["enable_worker_sync", "load_revokes", "name_worker"]
 
 log = logging.getLogger("celery_ext")
 
@@ -34,6 +35,16 @@ def enable_worker_sync() -> None:
     for step in (Mingle, Gossip):
         if Transport.driver_type not in step.compatible_transports:
             step.compatible_transports = {*step.compatible_transports, Transport.driver_type}
+
+
+def name_worker(sender: Any = None, **_: Any) -> None:
+    """``worker_init``: the worker's leases, its ``pgjobs_consumer`` row (``pgjobs workers``,
+    the dashboard) and its counter shard name its Celery node (``-n``, ``celery@host``), its
+    PID and an incarnation id (a restarted process that reuses a PID is another worker)."""
+    app = getattr(sender, "app", None)
+    hostname = getattr(sender, "hostname", None)
+    if app is not None and installed(app) and isinstance(hostname, str) and hostname:
+        set_identity(hostname)
 
 
 def load_revokes(sender: Any = None, **_: Any) -> None:

@@ -21,6 +21,7 @@ import os
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -46,7 +47,7 @@ from .schema import latest_version, migrate
 from .unconfirmed import Unconfirmed
 
 __all__ = ["CLAIM_SESSION", "Backend", "add_run_listener", "add_settle_listener", "backend_for",
-           "release_all", "run_listeners", "settle_listeners"]
+           "identity", "release_all", "run_listeners", "set_identity", "settle_listeners"]
 
 log = logging.getLogger("kombu_pgjobs")
 
@@ -135,8 +136,37 @@ atexit.register(_flush_at_exit)
 
 
 def _forget_after_fork() -> None:
-    # A forked child (prefork pool) must not use its parent's sockets or threads.
+    # A forked child (prefork pool) must not use its parent's sockets or threads; and it is
+    # another process: another incarnation.
+    global _incarnation
     _backends.clear()
+    _incarnation = uuid.uuid4().hex[:8]
+
+
+#: this process's node name (celery_ext: the Celery worker's, ``-n``), None until told
+_node: str | None = None
+#: this process's incarnation: a PID reused by a restarted process is another worker
+_incarnation = uuid.uuid4().hex[:8]
+
+
+def identity() -> str:
+    """How this process is named as a lease holder, a consumer (``pgjobs workers``) and a
+    counter shard: ``node:pid:incarnation`` — the Celery node name when celery_ext told it
+    (:func:`set_identity`), else the host name."""
+    return f"{_node or socket.gethostname()}:{os.getpid()}:{_incarnation}"
+
+
+def set_identity(node: str) -> None:
+    """Name this process after its Celery node (``celery@host``, set by ``-n``): celery_ext
+    calls it when the worker starts, before it consumes. Backends already made take the
+    name too."""
+    global _node
+    _node = node
+    name = identity()
+    with _backends_lock:
+        backends = [b for b in _backends.values() if b.pid == os.getpid()]
+    for b in backends:
+        b.worker = b.core.worker = name
 
 
 os.register_at_fork(after_in_child=_forget_after_fork)
@@ -159,7 +189,7 @@ class Backend:
         self.pid = os.getpid()
         self.conninfo = conninfo
         self.options = options
-        self.worker = f"{socket.gethostname()}:{self.pid}"
+        self.worker = identity()
         self.core = QueueCore(options.schema, lease_ttl=options.lease_ttl,
                               max_attempts=options.max_attempts, worker=self.worker,
                               hand_off=options.hand_off)
@@ -609,8 +639,12 @@ class Backend:
                 else:
                     self.consumed.pop(q, None)
         if delta > 0:
+            first = not self._consumer_seen
             self._consumer_seen = True
-            self.keeper()
+            keeper = self.keeper()
+            if first:  # listed in pgjobs_consumer now, not a tick later
+                keeper.tick_wanted.set()
+                keeper.ack_event.set()
 
     def deregister(self) -> None:
         """A clean stop: stop the keeper (so no tick upserts the row again) and delete this
@@ -703,6 +737,7 @@ class Keeper(threading.Thread):
         self.ack_event = threading.Event()  # wakes the keeper: acks buffered, or a vacuum wanted
         self.vacuum_wanted = threading.Event()
         self.renew_wanted = threading.Event()  # renew_soon(): a cancel was announced
+        self.tick_wanted = threading.Event()  # a whole tick now: the process began consuming
         self._renewed_at = 0.0  # monotonic time of the last renewal
         self._vacuum_after = 0.0  # monotonic time before which no churn vacuum starts
         self._conn: psycopg.Connection[Any] | None = None
@@ -724,7 +759,7 @@ class Keeper(threading.Thread):
         b = self.backend
         interval = b.options.tick_interval
         ack_grace = self.ack_grace
-        next_tick = time.monotonic() + interval
+        next_tick = time.monotonic()  # at once: a consumer is listed when it starts
         while not self.stop_event.is_set():
             wake_at = next_tick
             if self.vacuum_wanted.is_set():
@@ -755,7 +790,8 @@ class Keeper(threading.Thread):
                     age = b.oldest_ack_age()
                     if age is not None and age >= ack_grace:
                         b.flush_acks(self.connection())
-                if time.monotonic() >= next_tick:
+                if time.monotonic() >= next_tick or self.tick_wanted.is_set():
+                    self.tick_wanted.clear()
                     next_tick = time.monotonic() + interval
                     self.tick()
             except PoolerUnsupported as exc:  # a configuration error: the consumer raises it

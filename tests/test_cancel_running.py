@@ -205,3 +205,32 @@ def test_on_settled_says_one_word_per_outcome_and_never_fires_for_a_retry(
                              f"\n{worker.output()[-6000:]}") from None
     time.sleep(1.5)  # nothing more comes
     assert _settled(db, schema) == expected
+
+
+def test_a_worker_is_listed_by_node_name_and_incarnation_as_it_starts(
+        db, parity, recorder_tables, schema, start_worker):
+    """Issue 30, item 6: a worker (celery_ext) is in pgjobs_consumer — `pgjobs workers`, the
+    dashboard — as soon as it is ready, named by its Celery node name, PID and an incarnation
+    id; its leases name it so; the same node started again is another incarnation."""
+    consumers = f'SELECT worker FROM "{schema}".pgjobs_consumer'
+    names = []
+    for _ in range(2):
+        worker = start_worker(name="ident", app=APP, concurrency=1)
+        ready = time.monotonic()
+        wait_for(lambda: db.execute(consumers).fetchall(), 3, interval=0.05,
+                 what="the worker's consumer row")
+        assert time.monotonic() - ready < 1.5  # not a keeper tick (10 s) later
+        (name,), = db.execute(consumers).fetchall()
+        node, pid, incarnation = name.rsplit(":", 2)
+        assert node.startswith("ident@") and int(pid) == worker.proc.pid, name
+        assert len(incarnation) == 8, name
+        result = parity.steps.delay("ident", 8, 0.25)
+        wait_for(lambda: _started(db, schema, "ident") == len(names) + 1, 20,
+                 what="the task to start")
+        holder = db.execute(f"SELECT worker FROM \"{schema}\".pgjobs_job "
+                            "WHERE message -> 'headers' ->> 'id' = %s", (result.id,)).fetchone()
+        assert holder == (name,)
+        result.get(timeout=20)
+        assert worker.stop() == 0
+        names.append(name)
+    assert names[0] != names[1]

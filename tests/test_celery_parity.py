@@ -157,7 +157,9 @@ def test_on_settled_once_per_landed_settle_and_dead_letters_keep_the_reason(
     assert reason == "rejected"
     assert error == {"type": "Reject",
                      "message": "rejected: the invoice is for a closed account"}
-    assert run_at is not None and holder and holder.endswith(f":{worker.proc.pid}")
+    # the holder: the Celery node name, the PID, an incarnation id (issue 30, item 6)
+    assert run_at is not None and holder and holder.startswith("settled@") \
+        and f":{worker.proc.pid}:" in holder
 
 
 def test_clean_stop_deregisters_the_worker(db, parity, recorder_tables, start_worker):
