@@ -2,8 +2,10 @@
 or purge dead letters, one or by filter; sign in and out.
 
 Every action goes through the same gate, in this order, and changes nothing when refused:
-read-only mode (403, ``PGJ-432``); the write token, as a bearer header or a signed-in session
-(403, ``PGJ-433``); with a session, the form's CSRF token (403, ``PGJ-434``). Then a form
+the read gate, when the dashboard has a read token (401, ``PGJ-439``); read-only mode (403,
+``PGJ-432``); the write token, as a bearer header or a session signed in with it (403,
+``PGJ-433``; a wrong bearer token counts toward the client's backoff, ``PGJ-438``); with a
+session, the form's CSRF token, which is that session's own (403, ``PGJ-434``). Then a form
 without ``confirm=yes`` gets a confirmation page (a script sends ``confirm=yes`` itself; in a
 browser the page's script asks ``confirm()`` and adds it), and only then does the action run,
 through :class:`~kombu_pgjobs.admin.Admin` like the CLI's command of the same name.
@@ -36,7 +38,15 @@ from ..errors import (
     DashboardUnauthorized,
     InvalidArgument,
 )
-from .app import Dashboard, set_cookie, wants_json
+from .app import (
+    Dashboard,
+    access,
+    client_of,
+    safe_next,
+    set_cookie,
+    throttled,
+    wants_json,
+)
 from .security import CSRF_COOKIE, SESSION_COOKIE, SESSION_SECONDS
 
 __all__ = ["action", "routes"]
@@ -257,18 +267,18 @@ def _purged_one(result: Any, p: Mapping[str, str]) -> Done:
 
 async def _gate(dash: Dashboard, request: Request) -> FormData:
     """Refuse what may not run (see the module's docstring); the form of what may."""
-    guard = dash.guard
-    if not guard.write:
+    if not dash.guard.write:
         raise DashboardReadOnly()
-    authorization = request.headers.get("authorization")
-    if authorization is not None:
-        if not guard.bearer_ok(authorization):
-            raise DashboardUnauthorized("the bearer token is wrong: nothing was changed")
+    level, session = access(dash, request)
+    if session is None and level is not None:  # a bearer token: a header no page can send
+        if level != "write":
+            raise DashboardUnauthorized("the bearer token is the read token: actions need the "
+                                        "write token; nothing was changed")
         return await request.form()
-    if not guard.session_ok(request.cookies.get(SESSION_COOKIE)):
+    if session is None or level != "write":
         raise DashboardUnauthorized()
     form = await request.form()
-    if not guard.csrf_ok(request.cookies.get(CSRF_COOKIE), _field(form, "csrf")):
+    if not dash.guard.csrf_ok(session, _field(form, "csrf")):
         raise DashboardCsrfFailed()
     return form
 
@@ -336,26 +346,52 @@ def routes(dash: Dashboard) -> list[BaseRoute]:
         return "/dead" + (f"?{urlencode(query)}" if query else "")
 
     async def login(request: Request) -> Response:
+        """Sign in with the write or the read token: a new session (any older one of this
+        browser ends: a sign-in never keeps an id someone else may have planted)."""
         guard = dash.guard
-        if not guard.write:
-            raise DashboardReadOnly()
+        if not guard.sign_in:
+            raise DashboardReadOnly("this dashboard is read-only and open to read: there is "
+                                    "nothing to sign in for")
+        client = client_of(request)
+        throttled(guard, client)
         form = await request.form()
-        if not guard.csrf_ok(request.cookies.get(CSRF_COOKIE), _field(form, "csrf")):
+        cookie = request.cookies.get(SESSION_COOKIE)
+        session = guard.session(cookie)
+        given = _field(form, "csrf")
+        if not (guard.csrf_ok(session, given) if session is not None
+                else guard.login_csrf_ok(request.cookies.get(CSRF_COOKIE), given)):
             raise DashboardCsrfFailed()
-        if not guard.token_ok(_field(form, "token")):
-            log.warning("pgjobs.dashboard.login_refused", extra={"action": "dashboard"})
+        level = guard.level_of(_field(form, "token"))
+        if level is None:
+            wait = guard.throttle.fail(client)
+            log.warning("pgjobs.dashboard.login_refused from %s", client,
+                        extra={"action": "dashboard", "client": client, "wait": wait})
             raise DashboardUnauthorized("the token is wrong: you are not signed in")
-        response = RedirectResponse(dash.url(request, "/"), status_code=303)
-        set_cookie(request, response, SESSION_COOKIE, guard.session_value(),
+        guard.throttle.succeed(client)
+        guard.close_session(cookie)
+        response = RedirectResponse(
+            dash.url(request, safe_next(_field(form, "next") or request.query_params.get(
+                "next"))), status_code=303)
+        set_cookie(dash, request, response, SESSION_COOKIE, guard.open_session(level),
                    max_age=SESSION_SECONDS)
+        log.info("pgjobs.dashboard.signed_in %s from %s", level, client,
+                 extra={"action": "dashboard", "client": client, "level": level})
         return response
 
     async def logout(request: Request) -> Response:
-        form = await request.form()
-        if not dash.guard.csrf_ok(request.cookies.get(CSRF_COOKIE), _field(form, "csrf")):
-            raise DashboardCsrfFailed()
+        """Sign out: the session ends here, on the server (a copy of its cookie opens
+        nothing afterwards)."""
+        guard = dash.guard
+        cookie = request.cookies.get(SESSION_COOKIE)
+        session = guard.session(cookie)
         response = RedirectResponse(dash.url(request, "/"), status_code=303)
-        set_cookie(request, response, SESSION_COOKIE, "", max_age=0)
+        if session is not None:
+            form = await request.form()
+            if not guard.csrf_ok(session, _field(form, "csrf")):
+                raise DashboardCsrfFailed()
+            guard.close_session(cookie)
+        if cookie is not None:
+            set_cookie(dash, request, response, SESSION_COOKIE, "", max_age=0)
         return response
 
     post = ["POST"]

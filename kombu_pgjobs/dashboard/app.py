@@ -1,18 +1,24 @@
-"""The dashboard's ASGI app: one connection pool, the templates, errors as pages, and the
-headers every answer carries.
+"""The dashboard's ASGI app: one connection pool, the templates, errors as pages, the Host
+check, the read gate, and the headers every answer carries.
 
 ``create_app(dsn)`` returns a Starlette app that can be served on its own (``pgjobs
 dashboard``) or mounted under a prefix in another ASGI app (``Mount("/pgjobs", app=...)``):
 every link and cookie path is built from the request's ``root_path``. The connection pool
 opens on first use, not on the lifespan event, because a mounted app never receives one.
+
+Who may do what is :mod:`.security`'s; here it is applied: every route but the sign-in page
+and the static files goes through the read gate (:func:`gated`), and every action through
+:func:`.actions._gate`.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
+import re
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,8 +32,8 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, JSONResponse, Response
-from starlette.routing import Mount
+from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
+from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -36,8 +42,10 @@ from ..cli import _age, _ts
 from ..database import TimeoutTranslatingCursor, conninfo_from_url
 from ..errors import (
     DashboardCsrfFailed,
+    DashboardHostRefused,
+    DashboardLoginThrottled,
     DashboardReadOnly,
-    DashboardTokenRequired,
+    DashboardSignInRequired,
     DashboardUnauthorized,
     DatabaseTimeout,
     DatabaseUnavailable,
@@ -49,7 +57,7 @@ from ..errors import (
 )
 from ..options import TransportOptions, validate_schema_name
 from ..schema import current_version
-from .security import CSRF_COOKIE, MIN_TOKEN, SESSION_COOKIE, Guard
+from .security import CSRF_COOKIE, SESSION_COOKIE, Guard, Session
 
 __all__ = ["Dashboard", "create_app"]
 
@@ -73,6 +81,52 @@ SECURITY_HEADERS = [
     (b"referrer-policy", b"same-origin"),
     (b"cache-control", b"no-store"),
 ]
+
+
+def host_name(header: str) -> str:
+    """The name of a ``Host`` header, without its port, lower case: ``[::1]:8787`` ->
+    ``[::1]``, ``Dash.Example.:443`` -> ``dash.example``."""
+    header = header.strip().lower()
+    if header.startswith("["):
+        end = header.find("]")
+        return header[:end + 1] if end > 0 else header
+    return header.split(":", 1)[0].rstrip(".")
+
+
+class HostCheck:
+    """Answers 400 (``PGJ-437``) to a request whose ``Host`` is not allowed: a page that a
+    rebinding DNS name points at this port names its own host, never one of these. Entries:
+    a name or address (``dash.example.com``, ``10.0.0.5``, ``[::1]``), ``*.example.com`` for
+    its subdomains, ``*`` for any."""
+
+    def __init__(self, app: ASGIApp, allowed: Sequence[str]) -> None:
+        self.app = app
+        self.any = "*" in allowed
+        self.names = {host_name(a) for a in allowed if not a.startswith("*")}
+        self.suffixes = tuple(a[1:].lower() for a in allowed if a.startswith("*."))
+
+    def allows(self, header: str) -> bool:
+        name = host_name(header)
+        if not name:
+            return False
+        return self.any or name in self.names or (
+            bool(self.suffixes) and name.endswith(self.suffixes))
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or self.any:
+            await self.app(scope, receive, send)
+            return
+        header = next((v.decode("latin-1") for k, v in scope.get("headers", [])
+                       if k == b"host"), "")
+        if self.allows(header):
+            await self.app(scope, receive, send)
+            return
+        error = DashboardHostRefused(f"this dashboard does not answer to Host {header[:80]!r}: "
+                                     "start it with --allowed-host NAME if that is its name")
+        log.warning("pgjobs.dashboard.host_refused %s", header[:80],
+                    extra={"action": "dashboard"})
+        response = JSONResponse({"error": {"code": error.code, "message": error.message}}, 400)
+        await response(scope, receive, send)
 
 
 class SecurityHeaders:
@@ -106,6 +160,8 @@ class Dashboard:
     guard: Guard
     pool_size: int = 4
     count_bound: int = COUNT_BOUND
+    #: Secure on every cookie (True), or when the request came over HTTPS (None)
+    secure_cookies: bool | None = None
     templates: Environment = field(init=False)
     _pool: ConnectionPool | None = field(default=None, init=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
@@ -171,38 +227,118 @@ class Dashboard:
         params = {k: v for k, v in query.items() if v not in (None, "")}
         return f"{root}{path}" + (f"?{urlencode(params)}" if params else "")
 
+    def rotate(self, *, token: str | None = None, read_token: str | None = None) -> None:
+        """New tokens for a running dashboard (checked as at start): every session ends, and
+        the old tokens open nothing from now on."""
+        self.guard.rotate(token=token, read_token=read_token)
+        log.warning("pgjobs.dashboard.tokens_rotated: every session ended",
+                    extra={"action": "dashboard"})
+
     def render(self, request: Request, name: str, context: dict[str, Any],
                status: int = 200) -> Response:
+        guard = self.guard
+        cookie = request.cookies.get(SESSION_COOKIE)
+        session = guard.session(cookie)
         nonce = request.cookies.get(CSRF_COOKIE)
-        fresh = nonce is None
+        fresh = session is None and not guard.nonce_ok(nonce)
         if fresh:
-            nonce = self.guard.new_nonce()
-        assert nonce is not None
+            nonce = guard.new_nonce()
+        csrf = session.csrf if session is not None else guard.login_csrf(nonce or "")
         page = self.templates.get_template(name).render(
             request=request, url=lambda path, **q: self.url(request, path, **q),
-            csrf=self.guard.csrf_token(nonce), write=self.guard.write,
-            signed_in=signed_in(self, request), schema=self.schema, **context)
+            csrf=csrf, write=guard.write, level=session.level if session else None,
+            signed_in=session is not None and session.level == "write",
+            sign_in=guard.sign_in, read_gate=guard.read_gate, schema=self.schema, **context)
         response = HTMLResponse(page, status_code=status)
-        if fresh:
-            set_cookie(request, response, CSRF_COOKIE, nonce, max_age=None)
+        if fresh and nonce is not None:
+            set_cookie(self, request, response, CSRF_COOKIE, nonce, max_age=None)
+        if cookie is not None and session is None:  # ended, expired, unknown or malformed
+            set_cookie(self, request, response, SESSION_COOKIE, "", max_age=0)
         return response
 
 
-def signed_in(dash: Dashboard, request: Request) -> bool:
-    return dash.guard.session_ok(request.cookies.get(SESSION_COOKIE)) or \
-        dash.guard.bearer_ok(request.headers.get("authorization"))
+def client_of(request: Request) -> str:
+    """The client's address (the proxy's, unless the server trusts its forwarded headers)."""
+    return request.client.host if request.client else "unknown"
 
 
-def set_cookie(request: Request, response: Response, name: str, value: str,
+def access(dash: Dashboard, request: Request) -> tuple[str | None, Session | None]:
+    """The level a request may act at (``read``, ``write`` or None) and its session: an
+    ``Authorization: Bearer`` token if there is one (a wrong one counts toward the client's
+    backoff and is refused, ``PGJ-433``; while the client must wait, ``PGJ-438``), else the
+    session its cookie names. Found once per request."""
+    found = request.scope.get("pgjobs.access")
+    if found is not None:
+        return found  # type: ignore[no-any-return]
+    guard = dash.guard
+    token = guard.bearer(request.headers.get("authorization"))
+    if token is not None:
+        client = client_of(request)
+        throttled(guard, client)
+        level = guard.level_of(token)
+        if level is None:
+            guard.throttle.fail(client)
+            log.warning("pgjobs.dashboard.bearer_refused from %s", client,
+                        extra={"action": "dashboard", "client": client})
+            raise DashboardUnauthorized("the bearer token is wrong: nothing was read or "
+                                        "changed")
+        guard.throttle.succeed(client)
+        result: tuple[str | None, Session | None] = (level, None)
+    else:
+        session = guard.session(request.cookies.get(SESSION_COOKIE))
+        result = (session.level if session else None, session)
+    request.scope["pgjobs.access"] = result
+    return result
+
+
+def throttled(guard: Guard, client: str) -> None:
+    """Refuse a token try from a client that must still wait (``PGJ-438``)."""
+    wait = guard.throttle.wait(client)
+    if wait > 0:
+        error = DashboardLoginThrottled(
+            f"too many wrong tokens from {client}: try again in {math.ceil(wait)} s")
+        error.retry_after = wait  # type: ignore[attr-defined]
+        raise error
+
+
+def gated(dash: Dashboard, app: ASGIApp) -> ASGIApp:
+    """``app`` behind the read gate: with a read token, a request without a token (a live
+    session or a bearer) is refused (``PGJ-439``: a browser is sent to sign in)."""
+
+    async def gate(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and dash.guard.read_gate:
+            level, _ = access(dash, Request(scope))
+            if level is None:
+                raise DashboardSignInRequired()
+        await app(scope, receive, send)
+
+    return gate
+
+
+_NEXT = re.compile(r"^/(?![/\\])[\x21-\x7e]{0,2000}$")
+
+
+def safe_next(value: str | None) -> str:
+    """Where to go after signing in: a path inside the dashboard, never another site."""
+    return value if value and _NEXT.match(value) and "\\" not in value else "/"
+
+
+def set_cookie(dash: Dashboard, request: Request, response: Response, name: str, value: str,
                max_age: int | None) -> None:
+    secure = dash.secure_cookies if dash.secure_cookies is not None else \
+        request.url.scheme == "https"
     response.set_cookie(name, value, max_age=max_age, httponly=True, samesite="strict",
-                        secure=request.url.scheme == "https",
+                        secure=secure,
                         path=request.scope.get("root_path", "").rstrip("/") or "/")
 
 
 def _status(exc: PgJobsError) -> int:
     if isinstance(exc, (DashboardReadOnly, DashboardUnauthorized, DashboardCsrfFailed)):
         return 403
+    if isinstance(exc, DashboardSignInRequired):
+        return 401
+    if isinstance(exc, DashboardLoginThrottled):
+        return 429
     if isinstance(exc, (NotFound, ScheduleEntryNotFound)):
         return 404
     if isinstance(exc, StateConflict):
@@ -217,19 +353,28 @@ def wants_json(request: Request) -> bool:
 
 
 def create_app(dsn: str, *, schema: str = "pgjobs", write: bool = False,
-               token: str | None = None, secret: bytes | None = None, pool_size: int = 4,
+               token: str | None = None, read_token: str | None = None,
+               allowed_hosts: Sequence[str] | None = None, secure_cookies: bool | None = None,
+               secret: bytes | None = None, pool_size: int = 4,
                count_bound: int = COUNT_BOUND, debug: bool = False) -> Starlette:
     """The dashboard for the pgjobs ``schema`` of the database at ``dsn`` (a pgjobs:// or
-    postgresql:// URL). Read-only unless ``write`` is true, which needs ``token`` (at least
-    16 characters): the operator signs in with it, or scripts send it as a bearer token.
+    postgresql:// URL). Read-only unless ``write`` is true, which needs ``token`` (the write
+    token): the operator signs in with it, or scripts send it as a bearer token.
+    ``read_token``: every page needs it (or the write token); without it, whoever reaches the
+    app reads every page. Tokens: at least 16 printable characters, not guessable
+    (:func:`.security.check_token`; ``PGJ-431``/``PGJ-436``).
+    ``allowed_hosts``: the ``Host`` names answered (others: 400, ``PGJ-437``); None answers
+    any (the host app decides). ``secure_cookies``: True sets Secure on every cookie; None
+    when the request came over HTTPS (as the server sees it: trust a proxy's
+    ``X-Forwarded-Proto`` in the server, e.g. uvicorn's ``proxy_headers``).
     ``count_bound``: the overview's counts are exact up to this many per queue and state.
-    ``secret`` signs the session and CSRF cookies (default: derived from the token, so every
-    process given the same token agrees)."""
+    ``secret`` keys the sign-in form's CSRF token (default: derived from the tokens, so every
+    process given the same tokens agrees). Sessions live in this process (see
+    :mod:`.security`)."""
     from . import actions, pages, schedules, webhooks
 
     validate_schema_name(schema)
-    if write and (not token or len(token) < MIN_TOKEN):
-        raise DashboardTokenRequired()
+    guard = Guard.make(write=write, token=token, read_token=read_token, secret=secret)
     conninfo = conninfo_from_url(dsn, TransportOptions(
         schema=schema, statement_timeout=STATEMENT_TIMEOUT,
         application_name=f"pgjobs-dashboard:{schema}"))  # what pg_stat_activity shows
@@ -241,18 +386,30 @@ def create_app(dsn: str, *, schema: str = "pgjobs", write: bool = False,
     startup = conninfo_to_dict(conninfo).get("options") or ""
     conninfo = make_conninfo(
         conninfo, options=f"{startup} -c jit=off -c enable_bitmapscan=off".strip())
-    dash = Dashboard(conninfo=conninfo, schema=schema,
-                     guard=Guard.make(write=write, token=token if write else None,
-                                      secret=secret), pool_size=pool_size,
-                     count_bound=count_bound)
+    dash = Dashboard(conninfo=conninfo, schema=schema, guard=guard, pool_size=pool_size,
+                     count_bound=count_bound, secure_cookies=secure_cookies)
 
     async def on_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, PgJobsError)
         status = _status(exc)
+        if isinstance(exc, DashboardSignInRequired) and request.method in ("GET", "HEAD") \
+                and not wants_json(request):
+            root = request.scope.get("root_path", "").rstrip("/")
+            path = request.url.path
+            here = path[len(root):] if root and path.startswith(root) else path
+            if request.url.query:
+                here += f"?{request.url.query}"
+            return RedirectResponse(dash.url(request, "/login", next=here), status_code=303)
+        headers = {}
+        if isinstance(exc, DashboardLoginThrottled):
+            headers["retry-after"] = str(math.ceil(getattr(exc, "retry_after", 1.0)))
         if wants_json(request):
             return JSONResponse({"error": {"code": exc.code, "message": exc.message}},
-                                status_code=status)
-        return dash.render(request, "error.html", {"error": exc, "status": status}, status)
+                                status_code=status, headers=headers)
+        response = dash.render(request, "error.html", {"error": exc, "status": status},
+                               status)
+        response.headers.update(headers)
+        return response
 
     async def on_db_error(request: Request, exc: Exception) -> Response:
         log.warning("pgjobs.dashboard.db_error %s", type(exc).__name__,
@@ -263,9 +420,12 @@ def create_app(dsn: str, *, schema: str = "pgjobs", write: bool = False,
             return JSONResponse({"error": {"code": None, "message": error.message}}, 503)
         return dash.render(request, "error.html", {"error": error, "status": 503}, 503)
 
-    routes = [*pages.routes(dash), *schedules.routes(dash), *webhooks.routes(dash),
-              *actions.routes(dash),
-              Mount("/static", app=StaticFiles(directory=HERE / "static"), name="static")]
+    routes: list[BaseRoute] = [*pages.routes(dash), *schedules.routes(dash),
+                               *webhooks.routes(dash), *actions.routes(dash)]
+    for route in routes:  # every page and action, but signing in, is behind the read gate
+        if isinstance(route, Route) and route.path not in ("/login", "/logout"):
+            route.app = gated(dash, route.app)
+    routes.append(Mount("/static", app=StaticFiles(directory=HERE / "static"), name="static"))
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         yield
@@ -275,5 +435,7 @@ def create_app(dsn: str, *, schema: str = "pgjobs", write: bool = False,
                     exception_handlers={PgJobsError: on_error, psycopg.Error: on_db_error},
                     lifespan=lifespan)
     app.state.dashboard = dash
-    app.add_middleware(SecurityHeaders)
+    if allowed_hosts is not None:
+        app.add_middleware(HostCheck, allowed=list(allowed_hosts))
+    app.add_middleware(SecurityHeaders)  # the outermost: a refused Host gets them too
     return app

@@ -14,7 +14,7 @@ from starlette.routing import BaseRoute, Route
 
 from ..admin import STATES, Admin
 from .actions import BULK_BATCH
-from .app import Dashboard
+from .app import Dashboard, safe_next
 
 __all__ = ["chart", "routes"]
 
@@ -127,7 +127,8 @@ def routes(dash: Dashboard) -> list[BaseRoute]:
         return dash.render(request, "workers.html", {"workers": rows})
 
     async def login(request: Request) -> Response:
-        return dash.render(request, "login.html", {"failed": False})
+        return dash.render(request, "login.html", {
+            "failed": False, "next": safe_next(request.query_params.get("next"))})
 
     return [
         Route("/", overview, name="overview"),
