@@ -49,6 +49,7 @@ from celery.utils.imports import symbol_by_name
 
 from kombu_pgjobs.errors import InvalidTaskOption
 
+from . import steps
 from .cancel import Cancelled, cancel, cancelled, checkpoint, start_stopping
 from .deadletter import on_task_failure, on_task_rejected
 from .flower import register as register_flower
@@ -63,7 +64,7 @@ from .tenant import check_tenant_required, current_tenant, tenant_required
 from .worker_sync import enable_worker_sync, load_revokes, name_worker
 
 __all__ = ["RULES", "Cancelled", "OutboxRelay", "Task", "cancel", "cancelled", "checkpoint",
-           "current_tenant", "install", "on_settled", "transaction"]
+           "current_tenant", "install", "on_settled", "steps", "transaction"]
 
 #: the task base class (use as ``base=celery_ext.Task`` in apps that set their own base)
 Task = PgJobsTask
@@ -106,6 +107,7 @@ def install(app: Any) -> Any:
         on_task_rejected, weak=False, dispatch_uid="celery_ext.reject_reason")
     start_telling()
     start_stopping()
+    steps.start_parking()  # durable steps: a suspended run's message is parked (steps.py)
     enable_worker_sync()
     signals.worker_init.connect(name_worker, weak=False, dispatch_uid="celery_ext.identity")
     signals.worker_init.connect(load_revokes, weak=False, dispatch_uid="celery_ext.revokes")

@@ -483,50 +483,8 @@ class DashboardCsrfFailed(PgJobsError):
     code = "PGJ-434"
 
 
-class DashboardExposed(ConfigurationError):
-    """``pgjobs dashboard`` bound to an address other than loopback without a read token:
-    anyone who reaches the port would read every message body, header, error and traceback.
-    Give a read token (``--read-token`` or ``PGJOBS_DASHBOARD_READ_TOKEN``), or say
-    ``--public-read`` if that is really meant. Refused at start."""
-
-    code = "PGJ-435"
-
-
-class DashboardWeakToken(DashboardTokenRequired):
-    """A dashboard token (write or read) is too easy to guess: not printable ASCII, fewer than
-    8 distinct characters, or under 64 bits by length x log2(distinct characters); or the read
-    token equals the write token. Make one with ``python -c 'import secrets;
-    print(secrets.token_urlsafe(24))'``. Refused at start."""
-
-    code = "PGJ-436"
-
-
-class DashboardHostRefused(PgJobsError):
-    """The request's ``Host`` header is not one the dashboard answers (a DNS-rebinding page, or
-    a name missing from ``--allowed-host``). Answered with HTTP 400."""
-
-    code = "PGJ-437"
-
-
-class DashboardLoginThrottled(PgJobsError):
-    """Too many wrong tokens in a row from this address: the next try must wait (HTTP 429 with
-    ``Retry-After``); it was not checked."""
-
-    code = "PGJ-438"
-
-
-class DashboardSignInRequired(PgJobsError):
-    """This dashboard needs a token to read: sign in at ``/login`` with the read token (or the
-    write token), or send ``Authorization: Bearer TOKEN``. A browser is sent to the sign-in
-    page; a script gets HTTP 401."""
-
-    code = "PGJ-439"
-
-
-__all__ += ["DashboardCsrfFailed", "DashboardExposed", "DashboardHostRefused",
-            "DashboardLoginThrottled", "DashboardNotInstalled", "DashboardReadOnly",
-            "DashboardSignInRequired", "DashboardTokenRequired", "DashboardUnauthorized",
-            "DashboardWeakToken"]
+__all__ += ["DashboardCsrfFailed", "DashboardNotInstalled", "DashboardReadOnly",
+            "DashboardTokenRequired", "DashboardUnauthorized"]
 
 
 def all_error_classes() -> list[type[PgJobsError]]:
@@ -604,3 +562,73 @@ class InvalidShardURL(InvalidShardMap):
 
 
 __all__ += ["InvalidShardMap", "InvalidShardPattern", "InvalidShardURL"]
+
+
+# -- durable steps (celery_ext.steps, issue 32): PGJ-9xx ----------------------------------------
+class StepsUnavailable(ConfigurationError):
+    """Durable steps run only in a worker's run of a delivered message: a Celery worker on a
+    ``pgjobs://`` broker, the app set up with ``celery_ext.install(app)``, the task
+    ``bind=True`` and ``acks_late=True`` (the message stays held while the body runs)."""
+
+    code = "PGJ-901"
+
+
+class DuplicateStep(PgJobsError):
+    """A step name was used twice in one run: names are the replay key, so each step of a
+    run needs its own (``charge``, ``charge-2``, or a name built from a loop's item)."""
+
+    code = "PGJ-902"
+
+
+class StepFenced(PgJobsError):
+    """A step's write was refused: this run no longer holds its message (its lease lapsed and
+    another worker took it over, it was settled elsewhere, or an operator cancelled it).
+    Nothing was written; the run ends (the message's current holder goes on)."""
+
+    code = "PGJ-903"
+
+
+class InvalidStep(PgJobsError):
+    """A step's arguments are invalid: a name or event that is not a non-empty string of at
+    most 200 characters without control characters, a key that is not a string or a whole
+    number, a duration or timeout that is not a finite number of seconds in 0 to 100 years, or
+    a result or event data that is not JSON (or larger than ``max_message_bytes``)."""
+
+    code = "PGJ-904"
+
+
+class EventTimeout(PgJobsError):
+    """``steps.wait_for_event`` reached its timeout before an event of its name and key was
+    emitted. Recorded as the step's error; the task's retry policy decides what happens next
+    (a retry waits again, with a new deadline)."""
+
+    code = "PGJ-905"
+
+
+class StepMismatch(PgJobsError):
+    """A step name is stored for another kind of step (``run``, ``sleep``, ``event``) or
+    another event or key than this run asks for: the task's code changed between runs, or
+    builds its names from something that is not the same on every run. Rename the step, or
+    run the task again from that step (``pgjobs requeue ID --from-step NAME``)."""
+
+    code = "PGJ-906"
+
+
+class StepNotFound(NotFound):
+    """``pgjobs requeue --from-step`` named a step the message's task has not recorded (see
+    ``pgjobs steps TASK_ID``), or a message whose task id cannot be read. Nothing changed."""
+
+    code = "PGJ-907"
+
+
+class EmitElsewhere(PgJobsError):
+    """``celery_ext.steps.emit`` inside a ``transaction()`` block whose connection is not the
+    broker's database: an event is a row of the broker's schema, and it cannot be written in a
+    transaction of another database. Emit after the app's commit, or keep the pgjobs schema in
+    the app's database. Nothing was written."""
+
+    code = "PGJ-908"
+
+
+__all__ += ["DuplicateStep", "EmitElsewhere", "EventTimeout", "InvalidStep", "StepFenced",
+            "StepMismatch", "StepNotFound", "StepsUnavailable"]

@@ -138,3 +138,19 @@ EVENTS.update({
         "PGJ-517", "the outbox relay lost the app database: it reconnects after a backoff; "
         "claimed rows it did not mark come back when their lease lapses"),
 })
+
+# durable steps (celery_ext.steps, issue 32)
+EVENTS.update({
+    "pgjobs.step.refused": (
+        "PGJ-920", "a step's write was refused (PGJ-903): the run no longer holds its message "
+        "(its lease lapsed and another worker took it over, it was settled elsewhere, or an "
+        "operator cancelled it); nothing was written and the run ends"),
+    "pgjobs.step.park_failed": (
+        "PGJ-921", "a run that suspended (a durable sleep or wait) could not hand its message "
+        "back parked (the database failed on a fresh connection too): its lease is no longer "
+        "renewed, so the message comes back when it lapses (an attempt counted) and replays"),
+    "pgjobs.step.park_missed": (
+        "PGJ-922", "a run suspended, but its message was no longer held under its claim when "
+        "it was handed back (its lease lapsed and was rescued, or it was settled elsewhere): "
+        "nothing was changed"),
+})

@@ -81,6 +81,12 @@ TABLE_RIGHTS: dict[str, dict[str, tuple[str, ...]]] = {
     # (a row lock needs UPDATE); a publish locks them only inside functions that run as the
     # owner (the wake trigger, the guarded publish), so the publisher needs nothing here
     "pgjobs_lock": {"worker": ("SELECT", "UPDATE"), "operator": ("SELECT", "UPDATE")},
+    # durable steps (schema 23): the worker's runs write steps and may emit (the default);
+    # an operator reads them, drops them (requeue --from-step) and prunes steps and events; a
+    # publisher (the web app) emits events: INSERT only, the trigger that wakes the waiters
+    # runs as the owner
+    "pgjobs_step": {"operator": ("SELECT", "DELETE")},
+    "pgjobs_event": {"operator": ("SELECT", "DELETE"), "publisher": ("INSERT",)},
 }
 #: the webhook endpoints' table and its secret: no SELECT on that column but for the worker
 #: (which signs deliveries with it)
