@@ -483,8 +483,50 @@ class DashboardCsrfFailed(PgJobsError):
     code = "PGJ-434"
 
 
-__all__ += ["DashboardCsrfFailed", "DashboardNotInstalled", "DashboardReadOnly",
-            "DashboardTokenRequired", "DashboardUnauthorized"]
+class DashboardExposed(ConfigurationError):
+    """``pgjobs dashboard`` bound to an address other than loopback without a read token:
+    anyone who reaches the port would read every message body, header, error and traceback.
+    Give a read token (``--read-token`` or ``PGJOBS_DASHBOARD_READ_TOKEN``), or say
+    ``--public-read`` if that is really meant. Refused at start."""
+
+    code = "PGJ-435"
+
+
+class DashboardWeakToken(DashboardTokenRequired):
+    """A dashboard token (write or read) is too easy to guess: not printable ASCII, fewer than
+    8 distinct characters, or under 64 bits by length x log2(distinct characters); or the read
+    token equals the write token. Make one with ``python -c 'import secrets;
+    print(secrets.token_urlsafe(24))'``. Refused at start."""
+
+    code = "PGJ-436"
+
+
+class DashboardHostRefused(PgJobsError):
+    """The request's ``Host`` header is not one the dashboard answers (a DNS-rebinding page, or
+    a name missing from ``--allowed-host``). Answered with HTTP 400."""
+
+    code = "PGJ-437"
+
+
+class DashboardLoginThrottled(PgJobsError):
+    """Too many wrong tokens in a row from this address: the next try must wait (HTTP 429 with
+    ``Retry-After``); it was not checked."""
+
+    code = "PGJ-438"
+
+
+class DashboardSignInRequired(PgJobsError):
+    """This dashboard needs a token to read: sign in at ``/login`` with the read token (or the
+    write token), or send ``Authorization: Bearer TOKEN``. A browser is sent to the sign-in
+    page; a script gets HTTP 401."""
+
+    code = "PGJ-439"
+
+
+__all__ += ["DashboardCsrfFailed", "DashboardExposed", "DashboardHostRefused",
+            "DashboardLoginThrottled", "DashboardNotInstalled", "DashboardReadOnly",
+            "DashboardSignInRequired", "DashboardTokenRequired", "DashboardUnauthorized",
+            "DashboardWeakToken"]
 
 
 def all_error_classes() -> list[type[PgJobsError]]:
