@@ -610,7 +610,8 @@ def cmd_metrics(args: argparse.Namespace) -> Any:
         per_shard = []
         for shard, one in shards:
             with _admin(one) as admin:
-                per_shard.append((shard, collect(admin, tenants=args.tenants)))
+                per_shard.append((shard, collect(admin, tenants=args.tenants,
+                                                 queues=args.queues)))
         metrics = per_shard[0][1] if per_shard[0][0] is None else merge(per_shard)
         if args.json:
             return {"metrics": [{"name": m.name, "type": m.kind, "help": m.help,
@@ -620,9 +621,10 @@ def cmd_metrics(args: argparse.Namespace) -> Any:
     if not 0 <= args.serve <= 65535:
         raise InvalidArgument(f"--serve port {args.serve} is out of range 0-65535")
     source: MetricsSource | ShardedMetrics = \
-        MetricsSource(_dsn(args), args.schema, tenants=args.tenants) \
+        MetricsSource(_dsn(args), args.schema, tenants=args.tenants, queues=args.queues) \
         if shards[0][0] is None else ShardedMetrics(
-            [(str(shard), MetricsSource(_dsn(one), args.schema, tenants=args.tenants))
+            [(str(shard), MetricsSource(_dsn(one), args.schema, tenants=args.tenants,
+                                        queues=args.queues))
              for shard, one in shards])
     source.metrics()  # fail now, with the error's code, rather than on the first scrape
     try:
@@ -818,6 +820,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tenants", type=int, default=10, metavar="N",
                    help="per-tenant samples for the N tenants with the most live messages "
                         "(default 10; 0: none)")
+    p.add_argument("--queues", type=int, default=100, metavar="N",
+                   help="per-queue samples for the N queues with the most messages (settled "
+                        "totals: the most settled); the rest summed as queue=\"(other)\" "
+                        "(default 100; 0: every queue)")
 
     p = _add(sub, "prune", cmd_prune, _render_prune, common)
     p.add_argument("--older-than", required=True, metavar="DURATION",

@@ -6,6 +6,8 @@ Everything is computed from the tables at scrape time — queue depths and ages 
 exporter per database is enough, however many workers run, and a restarted worker loses nothing.
 ``pgjobs metrics`` prints the text once; ``pgjobs metrics --serve PORT`` serves it over
 :mod:`http.server` (bound to 127.0.0.1 unless told otherwise: metrics name queues and tasks).
+Label values are bounded: the top N queues (``--queues``, default 100) and tenants
+(``--tenants``, default 10) get series of their own, the other queues one ``(other)`` series.
 """
 
 from __future__ import annotations
@@ -23,10 +25,10 @@ import psycopg
 
 from .admin import Admin
 from .database import connect
-from .errors import PgJobsError
+from .errors import InvalidArgument, PgJobsError
 
-__all__ = ["Metric", "MetricsSource", "ShardedMetrics", "collect", "make_server", "merge",
-           "render"]
+__all__ = ["DEFAULT_QUEUES", "OTHER", "Metric", "MetricsSource", "ShardedMetrics",
+           "check_queues", "collect", "make_server", "merge", "render"]
 
 log = logging.getLogger("kombu_pgjobs")
 
@@ -46,11 +48,43 @@ class Metric:
 
 #: tenants given their own samples by default (the ones with the most live messages)
 DEFAULT_TENANTS = 10
+#: queues given their own samples by default: the rest are summed into :data:`OTHER`
+DEFAULT_QUEUES = 100
+MAX_QUEUES = 100_000
+#: the ``queue`` label of the sum of the queues past the top N (a queue of that very name is
+#: always summed into it, so a series never has two meanings)
+OTHER = "(other)"
 
 
-def collect(admin: Admin, *, tenants: int = DEFAULT_TENANTS) -> list[Metric]:
+def _rank(rows: list[dict[str, Any]], top: int,
+          weight: Callable[[dict[str, Any]], float]) -> tuple[list[dict[str, Any]],
+                                                              list[dict[str, Any]]]:
+    """(the ``top`` rows by ``weight``, ties by name; the rest). ``top`` 0: every row."""
+    if not top:
+        return rows, []
+    mine = [r for r in rows if r["queue"] != OTHER]
+    ranked = sorted(mine, key=lambda r: (-weight(r), r["queue"]))
+    kept = ranked[:top]
+    return kept, ranked[top:] + [r for r in rows if r["queue"] == OTHER]
+
+
+def check_queues(value: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_QUEUES:
+        raise InvalidArgument(f"--queues must be a whole number in 0-{MAX_QUEUES} (0: every "
+                              f"queue), got {value!r}")
+    return value
+
+
+def collect(admin: Admin, *, tenants: int = DEFAULT_TENANTS,
+            queues: int = DEFAULT_QUEUES) -> list[Metric]:
     """Read every metric in a few statements (no row locks). ``tenants``: how many tenants
-    (those with the most live messages) get ``pgjobs_tenant_messages`` samples; 0: none."""
+    (those with the most live messages) get ``pgjobs_tenant_messages`` samples; 0: none.
+    ``queues``: how many queues get samples of their own in each per-queue metric — those
+    with the most messages (live and dead) for the gauges, the most settled for
+    ``pgjobs_settled_total`` — the rest summed into ``queue="(other)"`` (the oldest age: their
+    oldest; paused: how many); 0: every queue. The number of series stays bounded however
+    many queues there are."""
+    check_queues(queues)
     started = time.monotonic()
     messages = Metric("pgjobs_messages", "gauge",
                       "Messages in the job table by queue and state: ready (due now), delayed "
@@ -70,15 +104,42 @@ def collect(admin: Admin, *, tenants: int = DEFAULT_TENANTS) -> list[Metric]:
     orphaned = Metric("pgjobs_orphaned_leases", "gauge",
                       "Leases held by processes that no longer report as consumers (they lapse "
                       "within lease_ttl and are re-delivered or buried).")
-    for q in admin.queues(minutes=1):
+    every = admin.queues(minutes=1)
+    listed, folded = _rank(every, queues, lambda q: sum(
+        q[k] for k in ("ready", "delayed", "running", "waiting", "dead")))
+    for q in listed:
         name = q["queue"]
         for state in ("ready", "delayed", "running", "waiting"):
             messages.add(q[state], queue=name, state=state)
         oldest.add(q["oldest_ready_age"] or 0.0, queue=name)
         dead.add(q["dead"], queue=name)
         paused.add(1 if q["paused"] else 0, queue=name)
+    if folded:
+        for state in ("ready", "delayed", "running", "waiting"):
+            messages.add(sum(q[state] for q in folded), queue=OTHER, state=state)
+        oldest.add(max((q["oldest_ready_age"] or 0.0 for q in folded), default=0.0),
+                   queue=OTHER)
+        dead.add(sum(q["dead"] for q in folded), queue=OTHER)
+        paused.add(sum(1 for q in folded if q["paused"]), queue=OTHER)
+    totals: dict[str, dict[str, int]] = {}
     for row in admin.counter_totals():
-        settled.add(row["n"], queue=row["queue"], outcome=row["outcome"])
+        totals.setdefault(row["queue"], {})[row["outcome"]] = int(row["n"])
+    rows = [{"queue": name, "outcomes": outcomes} for name, outcomes in totals.items()]
+    kept, rest = _rank(rows, queues, lambda r: sum(r["outcomes"].values()))
+    for r in sorted(kept, key=lambda r: r["queue"]):
+        for outcome, n in sorted(r["outcomes"].items()):
+            settled.add(n, queue=r["queue"], outcome=outcome)
+    summed: dict[str, int] = {}
+    for r in rest:
+        for outcome, n in r["outcomes"].items():
+            summed[outcome] = summed.get(outcome, 0) + n
+    for outcome, n in sorted(summed.items()):
+        settled.add(n, queue=OTHER, outcome=outcome)
+    count = Metric("pgjobs_queues", "gauge",
+                   "Queues, and how many of them are summed into queue=\"(other)\" (past "
+                   "the top N that get series of their own).")
+    count.add(len(every), kind="all")
+    count.add(len(folded), kind="other")
     alive = gone = 0
     for w in admin.workers(leases=0):
         if w["alive"]:
@@ -92,7 +153,8 @@ def collect(admin: Admin, *, tenants: int = DEFAULT_TENANTS) -> list[Metric]:
     up.add(1)
     took = Metric("pgjobs_scrape_duration_seconds", "gauge", "Seconds this scrape took.")
     took.add(round(time.monotonic() - started, 6))
-    return [up, messages, oldest, dead, paused, settled, consumers, orphaned, *per_tenant, took]
+    return [up, messages, oldest, dead, paused, settled, count, consumers, orphaned,
+            *per_tenant, took]
 
 
 def _tenant_metrics(admin: Admin, top: int) -> list[Metric]:
@@ -145,10 +207,12 @@ class MetricsSource:
     """One connection, reopened after a failure; a failed scrape reports ``pgjobs_up 0``
     rather than an HTTP error, so "exporter up, database down" is its own alert."""
 
-    def __init__(self, conninfo: str, schema: str, *, tenants: int = DEFAULT_TENANTS) -> None:
+    def __init__(self, conninfo: str, schema: str, *, tenants: int = DEFAULT_TENANTS,
+                 queues: int = DEFAULT_QUEUES) -> None:
         self.conninfo = conninfo
         self.schema = schema
         self.tenants = tenants
+        self.queues = check_queues(queues)
         self._conn: psycopg.Connection[Any] | None = None
         self._lock = threading.Lock()
 
@@ -157,7 +221,8 @@ class MetricsSource:
             if self._conn is None or self._conn.closed:
                 self._conn = connect(self.conninfo, prepare=False)
                 Admin(self._conn, self.schema).check_schema()
-            return collect(Admin(self._conn, self.schema), tenants=self.tenants)
+            return collect(Admin(self._conn, self.schema), tenants=self.tenants,
+                           queues=self.queues)
 
     def text(self) -> str:
         try:

@@ -26,8 +26,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from .errors import PgJobsError
+from .metrics import DEFAULT_QUEUES, DEFAULT_TENANTS, MetricsSource, log
 from .metrics import Metric as PgMetric
-from .metrics import MetricsSource, log
 
 __all__ = ["PgJobsCollector"]
 
@@ -42,10 +42,13 @@ def _family(m: PgMetric) -> Metric:
 
 
 class PgJobsCollector(Collector):
-    """The metrics of one pgjobs schema (``dsn``: a libpq connection string or URL)."""
+    """The metrics of one pgjobs schema (``dsn``: a libpq connection string or URL).
+    ``queues``: queues with series of their own (the rest summed as ``queue="(other)"``; 0:
+    every queue); ``tenants``: tenants with series of their own (0: none)."""
 
-    def __init__(self, dsn: str, schema: str = "pgjobs") -> None:
-        self.source = MetricsSource(dsn, schema)
+    def __init__(self, dsn: str, schema: str = "pgjobs", *, queues: int = DEFAULT_QUEUES,
+                 tenants: int = DEFAULT_TENANTS) -> None:
+        self.source = MetricsSource(dsn, schema, queues=queues, tenants=tenants)
 
     def describe(self) -> list[Any]:
         """Nothing up front: registering must not query the database."""

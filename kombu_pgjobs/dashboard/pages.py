@@ -1,11 +1,14 @@
 """The pages (GET): overview, messages, one message, dead letters, limits, workers.
 
 Each page is one call, or a few, into :class:`~kombu_pgjobs.admin.Admin` — the statements the
-CLI runs, paged by index with keyset cursors (``?after=ID``) — rendered by a template.
+CLI runs, paged by index with keyset cursors (``?after=ID``) — rendered by a template. The
+overview pages over queues by name (``?after=QUEUE``, :data:`QUEUE_PAGE` a page) with its own
+statement (:mod:`.queries`), Celery's internal queues hidden unless ``?internal=1``.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from starlette.requests import Request
@@ -13,19 +16,49 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from ..admin import STATES, Admin
+from ..errors import NotFound
 from .actions import BULK_BATCH
 from .app import Dashboard, safe_next
+from .queries import counter_series, queue_page
 
 __all__ = ["chart", "routes"]
 
 #: minutes of settle counters the overview's chart shows
 CHART_MINUTES = 30
+#: minutes the overview's "acked per minute" is averaged over
+RATE_MINUTES = 5
 #: rows per page of every listing
 PAGE = 50
-#: characters of a message body shown on its page
-BODY_PREVIEW = 4000
+#: queues per page of the overview (each one costs a few bounded index reads)
+QUEUE_PAGE = 50
+#: characters of a message's body, headers or properties (pretty-printed), an error or a
+#: traceback shown on its page: the rest is cut, and the part is a download away
+#: (``/messages/<id>/raw/<part>``), so a 20 MiB header makes a page of a few hundred KiB
+PART_PREVIEW = 64 * 1024
+#: characters of the arguments (Celery's argsrepr/kwargsrepr headers) shown
+ARGS_PREVIEW = 2000
+#: the parts of a message that can be downloaded whole
+PARTS = ("body", "headers", "properties")
 #: settle outcomes drawn as "went wrong" in the chart (the rest: done)
 BAD_OUTCOMES = ("dead", "failed", "rejected", "expired")
+
+
+class Cut(str):
+    """Text for a page, cut at a limit: ``cut`` says how much was left out."""
+
+    cut: int = 0
+    whole: int = 0
+
+
+def _cut(text: Any, limit: int) -> Cut | None:
+    """``text`` (a string, or anything shown as one) of at most ``limit`` characters."""
+    if text is None:
+        return None
+    text = text if isinstance(text, str) else str(text)
+    out = Cut(text[:limit])
+    out.whole = len(text)
+    out.cut = max(0, len(text) - limit)
+    return out
 
 
 def _arg(request: Request, name: str) -> str | None:
@@ -57,16 +90,26 @@ def chart(series: dict[str, list[int]], minutes: int = CHART_MINUTES,
 
 def routes(dash: Dashboard) -> list[BaseRoute]:
     async def overview(request: Request) -> Response:
+        after = _arg(request, "after")
+        show_internal = request.query_params.get("internal") == "1"
+
         def read(admin: Admin) -> dict[str, Any]:
-            return {"queues": admin.queues(minutes=5, bound=dash.count_bound),
-                    "series": admin.throughput(minutes=CHART_MINUTES),
-                    "workers": admin.workers(leases=0)}
+            page = queue_page(admin, after=after, limit=QUEUE_PAGE, bound=dash.count_bound,
+                              show_internal=show_internal)
+            series = counter_series(admin, [q["queue"] for q in page["items"]], CHART_MINUTES)
+            return {"page": page, "series": series, "workers": admin.workers(leases=0)}
 
         data = await dash.run(read)
-        for q in data["queues"]:
-            q["chart"] = chart(data["series"].get(q["queue"], {}))
-        return dash.render(request, "overview.html",
-                           {**data, "minutes": CHART_MINUTES, "bound": dash.count_bound})
+        queues = data["page"]["items"]
+        for q in queues:
+            mine = data["series"].get(q["queue"], {})
+            q["chart"] = chart(mine)
+            acked = sum(mine.get("acked", [])[-RATE_MINUTES:])
+            q["acked_per_minute"] = round(acked / RATE_MINUTES, 3)
+        return dash.render(request, "overview.html", {
+            "queues": queues, "next": data["page"]["next"], "after": after,
+            "internal": show_internal, "workers": data["workers"], "minutes": CHART_MINUTES,
+            "rate_minutes": RATE_MINUTES, "bound": dash.count_bound, "per_page": QUEUE_PAGE})
 
     async def tenants(request: Request) -> Response:
         after = _arg(request, "after")
@@ -95,16 +138,38 @@ def routes(dash: Dashboard) -> list[BaseRoute]:
         return _message_page(request, found)
 
     def _message_page(request: Request, found: dict[str, Any]) -> Response:
-        body = found.get("body")
-        preview = dash.templates.filters["pretty"](body) if body is not None else None
-        cut = preview is not None and len(preview) > BODY_PREVIEW
+        pretty = dash.templates.filters["pretty"]
+        parts = {}
+        for part in PARTS:
+            value = found.get(part)
+            parts[part] = _cut(pretty(value), PART_PREVIEW) if value is not None else None
         error = found.get("last_error")
         trace = error.get("traceback") if isinstance(error, dict) else None
         if trace is not None:  # shown on its own, as text
             error = {k: v for k, v in error.items() if k != "traceback"}
         return dash.render(request, "message.html", {
-            "m": found, "preview": preview[:BODY_PREVIEW] if preview else None, "cut": cut,
-            "error": error, "traceback": trace})
+            "m": found, "parts": parts, "limit": PART_PREVIEW,
+            "args": _cut(found.get("args"), ARGS_PREVIEW),
+            "kwargs": _cut(found.get("kwargs"), ARGS_PREVIEW),
+            "error": _cut(pretty(error), PART_PREVIEW) if error else None,
+            "traceback": _cut(trace, PART_PREVIEW) if trace is not None else None,
+            "base": "/dead/" if found.get("state") == "dead" else "/messages/"})
+
+    def raw(dead_letters: bool) -> Any:
+        async def download(request: Request) -> Response:
+            """One part of a message, whole, as a JSON file: what its page cuts."""
+            ident, part = request.path_params["id"], request.path_params["part"]
+            if part not in PARTS:
+                raise NotFound(f"a message has no part {part[:40]!r}: {', '.join(PARTS)}")
+            found = await dash.run(lambda admin: (admin.dead_show if dead_letters
+                                                  else admin.show)(ident, body=True))
+            text = json.dumps(found.get(part), indent=2, sort_keys=True, default=str,
+                              ensure_ascii=False)
+            name = f"pgjobs-{'dead-letter' if dead_letters else 'message'}-{found['id']}-{part}"
+            return Response(text.encode("utf-8"), media_type="application/json",
+                            headers={"content-disposition": f'attachment; filename="{name}.json"'})
+
+        return download
 
     async def dead(request: Request) -> Response:
         filters = {k: _arg(request, k) for k in ("queue", "task", "reason", "tenant")}
@@ -134,8 +199,10 @@ def routes(dash: Dashboard) -> list[BaseRoute]:
         Route("/", overview, name="overview"),
         Route("/messages", messages, name="messages"),
         Route("/messages/{id}", message, name="message"),
+        Route("/messages/{id}/raw/{part}", raw(False), name="message_raw"),
         Route("/dead", dead, name="dead"),
         Route("/dead/{id}", dead_letter, name="dead_letter"),
+        Route("/dead/{id}/raw/{part}", raw(True), name="dead_letter_raw"),
         Route("/limits", limits, name="limits"),
         Route("/workers", workers, name="workers"),
         Route("/tenants", tenants, name="tenants"),
