@@ -844,12 +844,14 @@ def build_parser() -> argparse.ArgumentParser:
     register_dashboard(sub, common)
     from .roles import register as register_roles  # `roles` (issue 28)
     register_roles(sub, common, _add)
+    from .steps_cli import register as register_steps  # `steps`, --from-step (issue 32)
+    register_steps(sub, common, _add, _admin)
     return parser
 
 
 def _exit_code(exc: PgJobsError) -> int:
-    return 2 if isinstance(exc, ConfigurationError) or exc.code.startswith(("PGJ-4", "PGJ-8")) \
-        else 3
+    return 2 if isinstance(exc, ConfigurationError) \
+        or exc.code.startswith(("PGJ-4", "PGJ-8", "PGJ-9")) else 3
 
 
 def _wants_json(argv: Sequence[str]) -> bool:

@@ -286,11 +286,13 @@ SELECT id, place, state, task_id FROM dead;
 WITH target AS (
     SELECT s.seq FROM {schema}.pgjobs_step AS s
      WHERE s.task_id = %(task_id)s::text AND s.name = %(name)s::text
+), dropped AS (
+    DELETE FROM {schema}.pgjobs_step AS s
+     USING target AS t
+     WHERE s.task_id = %(task_id)s::text AND s.seq >= t.seq
+    RETURNING s.name, s.seq
 )
-DELETE FROM {schema}.pgjobs_step AS s
- USING target AS t
- WHERE s.task_id = %(task_id)s::text AND s.seq >= t.seq
-RETURNING s.name;
+SELECT d.name FROM dropped AS d ORDER BY d.seq;
 
 -- name: step_prune :one
 -- Retention, one batch: up to %(limit)s step rows not written since %(cutoff)s, read in
