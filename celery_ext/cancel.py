@@ -38,8 +38,11 @@ reaches the database again. Both are logged as ``pgjobs.run.stopped`` (``PGJ-216
 
 from __future__ import annotations
 
+import os
 import signal
+import sys
 import threading
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -47,10 +50,11 @@ from celery import signals
 from celery.exceptions import Ignore
 
 from kombu_pgjobs.admin import Admin
-from kombu_pgjobs.backend import add_run_listener
+from kombu_pgjobs.backend import add_run_listener, cut_off, release_all
 from kombu_pgjobs.database import connect, conninfo_from_url
 from kombu_pgjobs.events import log_event
 from kombu_pgjobs.options import TransportOptions
+from kombu_pgjobs.transport import parse_shard_tag
 
 __all__ = ["Cancelled", "cancel", "cancelled", "checkpoint", "start_stopping"]
 
@@ -67,8 +71,9 @@ class Cancelled(Exception):
 
     def __init__(self, why: str = "cancelled") -> None:
         self.why = why
-        super().__init__("the run was cancelled" if why == "cancelled"
-                         else "the run was ended: its lease was lost")
+        super().__init__({"cancelled": "the run was cancelled",
+                          "shutdown": "the run was cut off by a cold shutdown"}.get(
+                              why, "the run was ended: its lease was lost"))
 
 
 def _current_task_id() -> str | None:
@@ -179,7 +184,57 @@ def _worker_ready(sender: Any = None, **_: Any) -> None:
     _consumer = sender
 
 
+#: seconds a cold shutdown of the threads pool waits for flagged runs to reach a checkpoint,
+#: after their messages went back, before the process exits without them
+COLD_GRACE = 3.0
+_cold = threading.Event()
+
+
+def _threads_terminate_job(pool: Any, pid: Any, signal: Any = None) -> None:
+    """The threads pool's ``terminate_job`` (Celery's raises NotImplementedError, which made a
+    cold shutdown an unrecoverable error that then waited for every running task), when
+    Celery cuts runs off (``Request.cancel``: a cold shutdown, after
+    ``worker_soft_shutdown_timeout``; a revoke's terminate still raises). A thread cannot be
+    stopped, so: every running or prefetched message goes back at once, uncounted (an
+    interrupted run is not an attempt); a task that finished is acked (its ack waits in
+    Celery's event loop, which the cold shutdown stops); every run is flagged
+    (``checkpoint()`` ends it); and the process exits after :data:`COLD_GRACE` seconds whether
+    or not they ended."""
+    from celery.worker import state as worker_state
+
+    if sys._getframe(1).f_code.co_name != "cancel":
+        # Request.terminate (revoke --terminate): Celery's own answer for this pool stands
+        raise NotImplementedError(f"{type(pool)} does not implement kill_job")
+    if _cold.is_set():
+        return
+    _cold.set()
+    # in the signal handler: what is unfinished, and the flags; the database is the thread's
+    unfinished: set[tuple[int, int]] = set()
+    with _flagged_lock:
+        for request in [*worker_state.active_requests, *worker_state.reserved_requests]:
+            _flagged[request.id] = "shutdown"
+            found = parse_shard_tag(getattr(request.message, "delivery_tag", None))
+            if found is not None:
+                unfinished.add(found[:2])
+
+    def exit_soon() -> None:
+        handed, acked = cut_off(unfinished)
+        log_event("pgjobs.run.stopped", task_id="*", job_id="*", why="shutdown",
+                  how=f"{handed} handed back, {acked} finished acked; exiting in "
+                      f"{COLD_GRACE:g}s")
+        time.sleep(COLD_GRACE)
+        release_all()  # acks of runs that ended meanwhile, the consumer row
+        code = worker_state.should_terminate
+        os._exit(code if isinstance(code, int) and not isinstance(code, bool) else 0)
+
+    threading.Thread(target=exit_soon, name="celery_ext-cold-exit", daemon=True).start()
+
+
 def start_stopping() -> None:
-    """Register the run listener and capture the worker's pool (idempotent)."""
+    """Register the run listener, capture the worker's pool, and give the threads pool a
+    cold shutdown that ends (idempotent)."""
+    from celery.concurrency import thread
+
     signals.worker_ready.connect(_worker_ready, weak=False, dispatch_uid="celery_ext.cancel")
     add_run_listener(_stop)
+    thread.TaskPool.terminate_job = _threads_terminate_job  # type: ignore[method-assign]

@@ -45,6 +45,7 @@ from celery.worker.request import Request
 
 from kombu_pgjobs.backend import add_settle_listener
 from kombu_pgjobs.core import TENANT_HEADER
+from kombu_pgjobs.transport import parse_shard_tag
 
 __all__ = ["OutcomeRequest", "on_settled", "start_telling"]
 
@@ -57,9 +58,11 @@ on_settled = Signal(
 _SETTLED = {"requeued": "requeued", "dead": "failed", "cancelled": "cancelled"}
 #: the most runs remembered while their ack or their outcome is still to come
 _MAX_RUNS = 100_000
-#: task id -> [the run's outcome or None, the landed ack's (job_id, claim, headers) or None],
-#: in the process that holds the lease; runs of celery_ext's tasks only (OutcomeRequest)
-_runs: dict[str, list[Any]] = {}
+#: delivery (job id, claim) -> [the run's outcome or None, the landed ack's headers or None],
+#: in the process that holds the lease; runs of celery_ext's tasks only (OutcomeRequest). By
+#: delivery, not task id: a retry's message (the same task id) may arrive before the retried
+#: one's ack lands
+_runs: dict[tuple[int, int], list[Any]] = {}
 _runs_lock = threading.Lock()
 
 
@@ -75,38 +78,41 @@ def _tell(settled: str, job_id: int, claim: int, headers: dict[str, Any]) -> Non
     task_id = headers.get("id")
     if not isinstance(task_id, str) or not on_settled.receivers:
         return  # not a Celery task message (remote control, events), or nobody listens
+    key = (job_id, claim)
     if settled != "acked":
         with _runs_lock:
-            _runs.pop(task_id, None)
+            _runs.pop(key, None)
         _send(_SETTLED.get(settled, settled), task_id, job_id, claim, headers)
         return
     with _runs_lock:
-        run = _runs.get(task_id)
+        run = _runs.get(key)
         if run is None:  # not a celery_ext task: its outcome is not known here
             outcome = "completed"
         elif run[0] is None:  # early ack: the run goes on; sent when it ends
-            run[1] = (job_id, claim, headers)
+            run[1] = headers
             return
         else:
-            outcome = _runs.pop(task_id)[0]
+            outcome = _runs.pop(key)[0]
     if outcome != "retried":
         _send(outcome, task_id, job_id, claim, headers)
 
 
-def _ran(task_id: str, outcome: str) -> None:
-    """The run of ``task_id`` ended as ``outcome`` (OutcomeRequest, in the process that holds
-    the lease): sent now if its ack already landed (early ack), else when it lands."""
+def _ran(key: tuple[int, int] | None, outcome: str) -> None:
+    """The run of delivery ``key`` ended as ``outcome`` (OutcomeRequest, in the process that
+    holds the lease): sent now if its ack already landed (early ack), else when it lands."""
+    if key is None:
+        return
     with _runs_lock:
-        run = _runs.get(task_id)
+        run = _runs.get(key)
         if run is None:
             return
         if run[1] is None:
             run[0] = outcome
             return
-        del _runs[task_id]
+        del _runs[key]
     if outcome != "retried":
-        job_id, claim, headers = run[1]
-        _send(outcome, task_id, job_id, claim, headers)
+        headers = run[1]
+        _send(outcome, headers.get("id"), key[0], key[1], headers)
 
 
 class OutcomeRequest(Request):
@@ -115,12 +121,14 @@ class OutcomeRequest(Request):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        if not on_settled.receivers:
+        found = parse_shard_tag(getattr(self.message, "delivery_tag", None))
+        self._delivery: tuple[int, int] | None = found[:2] if found else None
+        if not on_settled.receivers or self._delivery is None:
             return
         with _runs_lock:
             if len(_runs) >= _MAX_RUNS:
                 _runs.pop(next(iter(_runs)))
-            _runs.setdefault(self.id, [None, None])
+            _runs.setdefault(self._delivery, [None, None])
         # The worker builds a subclass of this class per task whose on_success does not call
         # ours (celery.worker.request.create_request_cls); the pool is given the bound method
         # self.on_success, so an instance attribute sees every run that returned.
@@ -128,18 +136,18 @@ class OutcomeRequest(Request):
 
         def on_success(failed__retval__runtime: Any, **kw: Any) -> Any:
             if not failed__retval__runtime[0]:  # a failure goes on to on_failure
-                _ran(self.id, "completed")
+                _ran(self._delivery, "completed")
             return succeeded(failed__retval__runtime, **kw)
 
         self.on_success = on_success  # type: ignore[method-assign]
 
     def on_timeout(self, soft: bool, timeout: float) -> Any:
         if not soft:  # the hard limit killed the run (a soft one raises: on_failure)
-            _ran(self.id, "failed" if getattr(self.task, "dead_letter", True) else "dropped")
+            _ran(self._delivery, "failed" if getattr(self.task, "dead_letter", True) else "dropped")
         return super().on_timeout(soft, timeout)
 
     def on_retry(self, exc_info: Any) -> Any:
-        _ran(self.id, "retried")
+        _ran(self._delivery, "retried")
         return super().on_retry(exc_info)
 
     def on_failure(self, exc_info: Any, send_failed_event: bool = True,
@@ -151,7 +159,7 @@ class OutcomeRequest(Request):
         elif isinstance(exc, Terminated):
             pass  # revoked (a cancel: the transport says cancelled) or a lost lease (nothing)
         else:
-            _ran(self.id, "failed" if getattr(self.task, "dead_letter", True) else "dropped")
+            _ran(self._delivery, "failed" if getattr(self.task, "dead_letter", True) else "dropped")
         return super().on_failure(exc_info, send_failed_event=send_failed_event,
                                   return_ok=return_ok)
 

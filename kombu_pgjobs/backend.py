@@ -47,7 +47,8 @@ from .schema import latest_version, migrate
 from .unconfirmed import Unconfirmed
 
 __all__ = ["CLAIM_SESSION", "Backend", "add_run_listener", "add_settle_listener", "backend_for",
-           "identity", "release_all", "run_listeners", "set_identity", "settle_listeners"]
+           "cut_off", "identity", "release_all", "run_listeners", "set_identity",
+           "settle_listeners"]
 
 log = logging.getLogger("kombu_pgjobs")
 
@@ -154,6 +155,18 @@ def identity() -> str:
     counter shard: ``node:pid:incarnation`` — the Celery node name when celery_ext told it
     (:func:`set_identity`), else the host name."""
     return f"{_node or socket.gethostname()}:{os.getpid()}:{_incarnation}"
+
+
+def cut_off(unfinished: set[Pair]) -> tuple[int, int]:
+    """:meth:`Backend.cut_off` on every backend of this process. Returns (handed back,
+    acked)."""
+    with _backends_lock:
+        backends = [b for b in _backends.values() if b.pid == os.getpid()]
+    handed = acked = 0
+    for b in backends:
+        h, a = b.cut_off(unfinished)
+        handed, acked = handed + h, acked + a
+    return handed, acked
 
 
 def set_identity(node: str) -> None:
@@ -304,7 +317,12 @@ class Backend:
         """Fenced requeue (to ready) or bury (``reject``, to the dead letters). When the
         database cannot be reached even on a new connection, the failure is logged, never
         raised at Celery, and these leases are no longer renewed: they lapse and the rows come
-        back (an attempt counted) — never stranded behind a lease this process renews."""
+        back (an attempt counted) — never stranded behind a lease this process renews.
+        Deliveries already handed back (:meth:`hand_back_held`) are skipped."""
+        if self._released:
+            pairs = [p for p in pairs if p not in self._released]
+            if not pairs:
+                return
         if requeue:  # a hand-back (uncount: never started) is no outcome: listeners skip it
             self._settle(pairs, "handback" if uncount else "requeue",
                          lambda c: self.core.requeue(c, pairs, uncount=uncount))
@@ -562,6 +580,26 @@ class Backend:
             if len(self._released) >= _MAX_REMEMBERED:
                 self._released.clear()
             self._released.update(pairs)
+
+    def cut_off(self, unfinished: set[Pair]) -> tuple[int, int]:
+        """A cold shutdown of a pool that cannot stop its runs (celery_ext, threads): the
+        deliveries in ``unfinished`` (running or not started) go back at once and uncounted
+        (an interrupted run is not an attempt); every other one this process holds and has
+        not acked finished, its ack waiting in Celery's event loop, which a cold shutdown
+        stops: it is acked here. Whatever Celery sends for them later is dropped. Returns
+        (handed back, acked)."""
+        with self._acks_lock:
+            acking = self._settling | {a[0] for a in self._acks}
+        held = [(i, c) for i, c in self.held_pairs() if i not in acking]
+        back = [p for p in held if p in unfinished]
+        done = [p for p in held if p not in unfinished]
+        if back:
+            self.settle(back, requeue=True, uncount=True)
+            self.release(back)
+        for pair in done:
+            self.buffer_ack(*pair)
+        self.release(done)
+        return len(back), len(done)
 
     def renew_soon(self) -> None:
         """Have the keeper renew now, not at its next tick (an operator cancelled a running

@@ -234,3 +234,39 @@ def test_a_worker_is_listed_by_node_name_and_incarnation_as_it_starts(
         assert worker.stop() == 0
         names.append(name)
     assert names[0] != names[1]
+
+
+@pytest.mark.parametrize("pool", ["prefork", "threads"])
+def test_a_cold_shutdown_with_a_deadline_hands_cut_off_runs_back_at_once_uncounted(
+        db, parity, recorder_tables, schema, start_worker, pool):
+    """Issue 30, item 3: Celery's soft shutdown (`worker_soft_shutdown_timeout` = 2 s, then a
+    cold shutdown; SIGQUIT) on each pool: a short task finishes within the deadline and is
+    acked; a long one (with checkpoints) and, on threads, one without any (a plain sleep) are
+    cut off, their messages back at once — ready, their attempt uncounted — and the worker
+    exits within seconds of the deadline, never hanging on a run it cannot stop. (gevent:
+    Celery's cold shutdown fails in its signal handler, BlockingSwitchOutError, whatever the
+    broker: see docs/compatibility.md.)"""
+    import signal
+
+    soft = 2.0
+    worker = start_worker(name=f"cold{pool}", app=APP, pool=pool, concurrency=4,
+                          env={"PGJOBS_TEST_SOFT_SHUTDOWN": str(soft)})
+    parity.steps.delay("short", 4, 0.25)
+    long = parity.steps.delay("long", 240, 0.25)
+    calls = [long]
+    if pool == "threads":
+        calls.append(parity.sleep.delay("asleep", 60.0))
+    wait_for(lambda: _started(db, schema, "long") == 1 and _started(db, schema, "short") == 1,
+             30, what="the tasks to start")
+    time.sleep(0.5)
+    stopped_at = time.monotonic()
+    worker.proc.send_signal(signal.SIGQUIT)
+    worker.proc.wait(20)
+    took = time.monotonic() - stopped_at
+    assert soft <= took < soft + 7.0, f"the worker exited {took:.1f}s after SIGQUIT"
+    assert _finished(db, schema, "short") == 1
+    rows = dict(db.execute(
+        f"SELECT message -> 'headers' ->> 'id', array[state, attempts::text] "
+        f'FROM "{schema}".pgjobs_job').fetchall())
+    assert rows == {c.id: ["ready", "0"] for c in calls}, (rows, worker.output()[-3000:])
+    assert _finished(db, schema, "long") == 0

@@ -28,6 +28,7 @@ app.conf.update(settings(
     result_backend="db+" + common.dsn().replace("postgresql://", "postgresql+psycopg://", 1),
     database_table_schemas={"task": SCHEMA, "group": SCHEMA},
     result_extended=False,
+    worker_soft_shutdown_timeout=float(os.environ.get("PGJOBS_TEST_SOFT_SHUTDOWN", "0")),
 ))
 
 
