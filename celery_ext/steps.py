@@ -178,7 +178,16 @@ class Steps:
     def _save(self, name: str, **kw: Any) -> tuple[str, str | None]:
         verdict, prior = self._run(lambda c: db.save(c, self._schema, self._d, name, **kw))
         self._fence(verdict, f"recording step {name!r}")
+        self._note(name, kw["kind"], "done" if verdict == "stored" else kw["state"],
+                   prior if verdict == "stored" else kw.get("result"), kw.get("event"),
+                   kw.get("key"))
         return verdict, prior
+
+    def _note(self, name: str, kind: str, state: str, result: str | None,
+              event: str | None = None, key: str | None = None) -> None:
+        """Keep what this run stored (it is read once, at the first step)."""
+        if self._stored is not None:
+            self._stored[name] = db.Stored(name, kind, state, result, event, key, False)
 
     def _suspend(self, name: str, kind: str, seconds: float | None, event: str | None = None,
                  key: str | None = None) -> Suspended:
@@ -264,6 +273,7 @@ class Steps:
             lambda c: db.wait(c, self._schema, self._d, step, event, key_text))
         self._fence(verdict, f"waiting for {event!r}")
         if heard:
+            self._note(step, "event", "done", data, event, key_text)
             return _loads(data)
         if seconds == 0:
             self._timed_out(step, event, key_text)

@@ -21,6 +21,8 @@ import celery_ext
 from kombu_pgjobs.cli import main as cli
 
 from .conftest import import_app, wait_for
+from .test_roles import _apply_roles, _denied
+from .test_roles import roles as roles  # the fixture, for the roles test
 
 pytestmark = pytest.mark.e2e
 
@@ -339,3 +341,45 @@ def test_the_worked_example_of_docs_steps_runs(db, stepped, schema, dsn, start_w
     assert json.loads(steps_of(db, schema, result.id)["receipt"]["result"]) == \
         "receipt for order 1001 (ch_1001, confirmed by email link)"
     wait_for(lambda: job(db, schema, result.id) is None, 10, what="the message acked")
+
+
+
+# -- roles ---------------------------------------------------------------------------------------
+def test_each_component_uses_steps_as_its_role(roles, db, schema, start_worker, capsys):
+    """`pgjobs roles` grants: the worker role runs steps, sleeps and waits (it parks); the
+    publisher role emits (INSERT only: the wake runs as the owner) and cannot read or change
+    steps; the operator reads steps, requeues from a step and prunes."""
+    db.execute(f'CREATE TABLE "{schema}".pgjobs_test_woke (label text, task_id text, '
+               "what text, at timestamptz DEFAULT clock_timestamp())")
+    db.execute(f'CREATE TABLE "{schema}".pgjobs_test_flag (name text)')
+    _apply_roles(capsys, schema, roles.prefix)
+    worker = start_worker(name="rw", app=APP, concurrency=2,
+                          env={"PGJOBS_TEST_BROKER": roles.url("w")})
+    pub = import_app(APP, schema, roles.url("pub"))
+    pub.wait.delay("rw", "paid", 5, 600)
+    sleeper = pub.nap.delay("rs", 600, True)
+    wait_for(lambda: count(db, f'SELECT count(*) FROM "{schema}".pgjobs_step WHERE state IN '
+                               "('waiting', 'sleeping')") == 2, 30, what="both parked")
+    celery_ext.steps.emit("paid", key=5, data={"by": "publisher"}, app=pub.app)
+    wait_for(lambda: woke(db, schema, "rw"), 30, what="the waiter woken by the publisher")
+    assert woke(db, schema, "rw") == [{"by": "publisher"}]
+    with roles.connect("pub") as conn:
+        _denied(conn, f'SELECT * FROM "{schema}".pgjobs_step')
+        _denied(conn, f'DELETE FROM "{schema}".pgjobs_step')
+        _denied(conn, f'SELECT * FROM "{schema}".pgjobs_event')
+        _denied(conn, f'UPDATE "{schema}".pgjobs_event SET data = NULL')
+    op = roles.url("op")
+    code, shown = _cli(capsys, op, schema, "steps", sleeper.id)
+    assert code == 0 and shown["suspended"]["kind"] == "sleep", shown
+    job_id = job(db, schema, sleeper.id)[0]
+    code, out = _cli(capsys, op, schema, "requeue", str(job_id), "--from-step", "nap")
+    assert code == 0 and out["made_due"] == [job_id], out
+    wait_for(lambda: count(db, f'SELECT count(*) FROM "{schema}".pgjobs_step WHERE task_id = '
+                               "%s AND name = 'nap' AND state = 'sleeping'", sleeper.id), 30,
+             what="the sleeper to sleep again")
+    code, out = _cli(capsys, op, schema, "prune", "--older-than", "7d")
+    assert code == 0 and "steps" in out, out
+    log = worker.output()
+    assert "permission denied" not in log.lower() and "InsufficientPrivilege" not in log, \
+        log[-4000:]
+    assert worker.stop() == 0

@@ -370,7 +370,9 @@ SELECT count(*)
 
 -- name: event_prune :one
 -- Retention, one batch: up to %(limit)s events emitted before %(cutoff)s, oldest first, but
--- none a parked waiter of its name and key has still to read. Returns the number deleted.
+-- none a parked waiter of its name and key has still to read (no row lock: an operator may
+-- delete events, not lock them; a concurrent prune deletes a row once). Returns the number
+-- deleted.
 WITH gone AS (
     DELETE FROM {schema}.pgjobs_event AS e
      WHERE e.id IN (SELECT o.id
@@ -380,8 +382,7 @@ WITH gone AS (
                                         WHERE s.state = 'waiting' AND s.event = o.name
                                           AND s.event_key = o.key)
                      ORDER BY o.emitted_at
-                     LIMIT %(limit)s
-                       FOR UPDATE SKIP LOCKED)
+                     LIMIT %(limit)s)
     RETURNING 1
 )
 SELECT count(*) FROM gone;
