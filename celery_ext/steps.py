@@ -98,10 +98,13 @@ class Suspended(Ignore):
                              self.key))
 
 
-class Fenced(StepFenced, Cancelled):
+class Fenced(StepFenced, Cancelled, Ignore):
     """``StepFenced`` (``PGJ-903``) as a task body sees it: the run no longer holds its
-    message. A :class:`celery_ext.cancel.Cancelled` too, so the task base ends the run as a
-    cancel or a lost lease does (REVOKED for a cancel, nothing stored for a lost lease)."""
+    message, and ends without a result (an ``Ignore``; a :class:`celery_ext.cancel.Cancelled`
+    too, for code that handles those). For a cancel, REVOKED is stored and the worker's main
+    process settles the message as a cancel (a dead letter ``cancelled``), whether or not its
+    keeper had learned of the cancel yet; for a lost lease nothing is stored, and the ack
+    misses its fence (the message is another worker's)."""
 
     def __init__(self, message: str, why: str) -> None:
         self.message = message
@@ -140,6 +143,9 @@ class Steps:
                   fence=self._d.claim, doing=doing, why=why)
         because = "an operator cancelled it" if why == "cancelled" else \
             "its lease was lost: another worker runs it now, or it was settled"
+        if why == "cancelled" and self._task is not None:
+            self._task.backend.mark_as_revoked(self._d.task_id, "cancelled",
+                                               request=self._task.request)
         raise Fenced(f"{doing} of task {self._d.task_id} was refused: this run no longer "
                      f"holds its message ({because}); nothing was written", why)
 
@@ -355,16 +361,12 @@ def _park(request: Any, exc: Suspended) -> None:
     """Hand the message of a run that suspended back parked, from the process that holds its
     lease. Never raises: a failure is logged, and the lease (no longer renewed) lapses, so the
     message comes back and replays."""
-    message = getattr(request, "message", None)
-    tag = parse_shard_tag(getattr(message, "delivery_tag", None))
-    channel = getattr(message, "channel", None)
-    backend = channel.backend_at(tag[2]) if tag is not None and \
-        hasattr(channel, "backend_at") else None
-    if tag is None or backend is None or exc.task_id != request.id:
+    found = _holder(request)
+    if found is None or exc.task_id != request.id:
         log.warning("celery_ext.steps.not_parked task=%s: not a pgjobs delivery of this task",
                     request.id, extra={"action": "celery_ext.steps.not_parked"})
         return
-    pair = (tag[0], tag[1])
+    backend, pair = found
     if pair in backend.cancelled:
         return  # its ack (sent next) dead-letters it as cancelled
     # First stop renewing it (and drop the ack to come): renewed while the row is parked, the
@@ -397,6 +399,24 @@ def _park(request: Any, exc: Suspended) -> None:
                   fence=pair[1])
 
 
+def _holder(request: Any) -> tuple[Backend, tuple[int, int]] | None:
+    """The backend holding this request's delivery, and its ``(id, claim)``."""
+    message = getattr(request, "message", None)
+    tag = parse_shard_tag(getattr(message, "delivery_tag", None))
+    channel = getattr(message, "channel", None)
+    backend = channel.backend_at(tag[2]) if tag is not None and \
+        hasattr(channel, "backend_at") else None
+    return None if tag is None or backend is None else (backend, (tag[0], tag[1]))
+
+
+def _cancelled(request: Any) -> None:
+    """A run whose step write found its message cancelled: its coming ack settles it as a
+    cancel (a dead letter ``cancelled``), as when the keeper has learned of the cancel."""
+    found = _holder(request)
+    if found is not None:
+        found[0].cancelled.add(found[1])
+
+
 def _received(sender: Any = None, request: Any = None, **_: Any) -> None:
     """``task_received`` (the worker's main process, before the run): a run of an installed
     app's late-acked task that ends suspended parks its message. Costs no statement."""
@@ -411,6 +431,8 @@ def _received(sender: Any = None, request: Any = None, **_: Any) -> None:
             exc = getattr(exc, "exc", exc)  # ExceptionWithTraceback
             if isinstance(exc, Suspended):
                 _park(request, exc)
+            elif isinstance(exc, Fenced) and exc.why == "cancelled":
+                _cancelled(request)
         return finished(failed__retval__runtime, **kw)
 
     request.on_success = on_success

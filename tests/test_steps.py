@@ -140,6 +140,26 @@ def test_a_stale_runs_step_write_is_refused(db, stepped, schema, start_worker):
     assert done(db, schema, "stale") == 1
 
 
+
+def test_a_cancelled_run_writes_no_step_after_the_cancel(db, stepped, schema, start_worker):
+    """Threads pool (a run cannot be stopped from outside, only flagged): cancelled while step
+    two's body runs, the body finishes but its write is refused (PGJ-903, why=cancelled), the
+    run ends, step three never starts, and the message is a dead letter `cancelled`."""
+    w = start_worker(name="cx", app=APP, concurrency=2,
+                     env={"PGJOBS_TEST_STEP_SLEEP": "two=3"})
+    result = stepped.three.delay("cx")
+    wait_for(lambda: starts(db, schema, "cx").get("two") == 1, 30, what="step two")
+    assert celery_ext.cancel(result.id, app=stepped.app)["stopping"] == [result.id]
+    dead = f'SELECT reason FROM "{schema}".pgjobs_dead_letter WHERE message -> \'headers\' ' \
+           "->> 'id' = %s"
+    wait_for(lambda: db.execute(dead, (result.id,)).fetchone(), 30, what="the dead letter")
+    assert db.execute(dead, (result.id,)).fetchone() == ("cancelled",)
+    time.sleep(0.5)
+    assert set(steps_of(db, schema, result.id)) == {"one"}
+    assert starts(db, schema, "cx") == {"one": 1, "two": 1}
+    assert "pgjobs.step.refused" in w.output() and "why=cancelled" in w.output()
+
+
 # -- sleeping ----------------------------------------------------------------------------------
 def test_two_hundred_sleepers_hold_no_slot_and_wake_on_time(db, stepped, schema, start_worker):
     """200 tasks sleep 5-7 s on a prefork -c 2 worker: once they are all parked, 200 other
