@@ -6,7 +6,7 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
-__all__ = ["UNSET", "add_app", "declared_option", "installed"]
+__all__ = ["UNSET", "add_app", "declared_option", "installed", "real_app"]
 
 #: what declared_option returns for an option the class itself does not set
 UNSET = object()
@@ -14,12 +14,19 @@ UNSET = object()
 _APPS: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
+def real_app(app: Any) -> Any:
+    """The app itself when given Celery's ``current_app`` (or any ``celery.local.Proxy``):
+    a proxy is a different object, so recording it, or looking it up, would miss the app."""
+    get = getattr(type(app), "_get_current_object", None)
+    return app._get_current_object() if get is not None else app
+
+
 def add_app(app: Any) -> None:
-    _APPS.add(app)
+    _APPS.add(real_app(app))
 
 
 def installed(app: Any) -> bool:
-    return app in _APPS
+    return real_app(app) in _APPS
 
 
 def declared_option(cls: type, option: str) -> Any:

@@ -71,6 +71,7 @@ __all__ = [
     "WebhookEndpointDisabled",
     "WebhookEndpointNotFound",
     "WebhookRejected",
+    "WebhookSecretLocked",
     "WebhookSignatureInvalid",
     "WebhookThrottled",
     "WebhookUnavailable",
@@ -407,6 +408,15 @@ class WebhookSignatureInvalid(PgJobsError):
     outside the tolerance, or no signature made with any of the given secrets."""
 
     code = "PGJ-810"
+
+
+class WebhookSecretLocked(PgJobsError):
+    """An endpoint's secret is stored encrypted and this process cannot decrypt it: none of
+    the keys in ``pgjobs_webhook_secret_keys`` opens it (a key missing or rotated out too
+    early), or the ``cryptography`` package is missing. The delivery is retried (another
+    worker may hold the key); nothing was sent."""
+
+    code = "PGJ-811"
 class InvalidSchedule(ConfigurationError):
     """A schedule is invalid: crontab text that does not parse or never matches, an interval
     that is not a positive number of seconds, or a schedule type the leader scheduler does not

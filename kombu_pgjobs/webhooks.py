@@ -6,7 +6,15 @@ webhooks`` CLI both go through :class:`WebhookStore`; every statement lives in
 
 The secret is written by :meth:`WebhookStore.add` and read back only by
 :meth:`WebhookStore.for_delivery`, into an :class:`Endpoint` whose ``repr`` leaves it out; what
-operators see (:meth:`WebhookStore.ls`, :meth:`WebhookStore.show`) never selects it.
+operators see (:meth:`WebhookStore.ls`, :meth:`WebhookStore.show`) never selects it, and the
+operator and read-only roles cannot (``pgjobs roles``: no SELECT on the column).
+
+**At rest.** Given a :class:`SecretBox` (Fernet keys, newest first: the app's
+``pgjobs_webhook_secret_keys``), the store seals every secret it writes
+(``pgjobs:fernet:<token>``) and opens sealed ones for a delivery; a row written without keys
+stays plain text and is still read. :meth:`WebhookStore.reseal` seals plain secrets and
+re-seals the others with the newest key (key rotation). A sealed secret no key opens is
+:class:`~kombu_pgjobs.errors.WebhookSecretLocked`.
 """
 
 from __future__ import annotations
@@ -14,7 +22,7 @@ from __future__ import annotations
 import ipaddress
 import math
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import date, datetime
 from typing import Any
@@ -29,6 +37,7 @@ from .errors import (
     InvalidWebhookSetting,
     PgJobsError,
     WebhookEndpointNotFound,
+    WebhookSecretLocked,
 )
 from .options import validate_schema_name
 from .sql import queries
@@ -37,7 +46,9 @@ __all__ = [
     "MASK",
     "MAX_EXCERPT",
     "METADATA_ADDRESSES",
+    "SEALED",
     "Endpoint",
+    "SecretBox",
     "WebhookStore",
     "check_addresses",
     "check_disable_after",
@@ -185,7 +196,8 @@ def check_url_egress(url: str, *, allow_names: Iterable[str] = (),
 
 
 def check_secret(secret: Any) -> str:
-    """16 to 1000 characters, no control characters. The error never repeats the value."""
+    """16 to 1000 characters, no control characters, not starting with ``pgjobs:`` (what a
+    sealed secret looks like). The error never repeats the value."""
     if not isinstance(secret, str):
         raise InvalidWebhookEndpoint(
             f"webhook secret must be a string, got {type(secret).__name__}")
@@ -196,7 +208,80 @@ def check_secret(secret: Any) -> str:
             "print(secrets.token_urlsafe(32))')")
     if _SECRET_CONTROL.search(secret):
         raise InvalidWebhookEndpoint("webhook secret holds control characters")
+    if secret.startswith("pgjobs:"):
+        raise InvalidWebhookEndpoint("webhook secret must not start with 'pgjobs:' (sealed "
+                                     "secrets are stored so)")
     return secret
+
+
+#: how a sealed secret starts in its endpoint row (then a Fernet token)
+SEALED = "pgjobs:fernet:"
+
+
+class SecretBox:
+    """Fernet keys that seal endpoint secrets at rest: the first seals, every one opens
+    (:class:`cryptography.fernet.MultiFernet`), so a key is rotated by putting the new one
+    first, re-sealing (:meth:`WebhookStore.reseal`), then dropping the old one. Needs the
+    ``cryptography`` package (``kombu-pgjobs[encryption]``). Keys never appear in a repr or
+    an error."""
+
+    def __init__(self, keys: Sequence[str | bytes],
+                 what: str = "pgjobs_webhook_secret_keys") -> None:
+        try:
+            from cryptography.fernet import Fernet, MultiFernet
+        except ImportError:
+            raise InvalidWebhookSetting(
+                f"{what} needs the cryptography package: pip install "
+                "'kombu-pgjobs[encryption]'") from None
+        if isinstance(keys, (str, bytes)) or not keys:
+            raise InvalidWebhookSetting(
+                f"{what} must be a non-empty list of Fernet keys, newest first "
+                "(cryptography.fernet.Fernet.generate_key())")
+        fernets = []
+        for i, key in enumerate(keys):
+            try:
+                fernets.append(Fernet(key))
+            except (ValueError, TypeError):
+                raise InvalidWebhookSetting(
+                    f"{what}[{i}] is not a Fernet key (32 url-safe base64-encoded bytes, as "
+                    "Fernet.generate_key() makes)") from None
+        self._box = MultiFernet(fernets)
+
+    def __repr__(self) -> str:
+        return "SecretBox(<keys>)"
+
+    @staticmethod
+    def sealed(stored: str) -> bool:
+        return stored.startswith(SEALED)
+
+    def seal(self, secret: str) -> str:
+        return SEALED + self._box.encrypt(secret.encode("utf-8")).decode("ascii")
+
+    def open(self, stored: str) -> str:
+        from cryptography.fernet import InvalidToken
+
+        try:
+            return self._box.decrypt(stored[len(SEALED):].encode("ascii")).decode("utf-8")
+        except (InvalidToken, UnicodeError, ValueError):
+            raise WebhookSecretLocked(
+                "the endpoint's secret is sealed with a key that none of "
+                "pgjobs_webhook_secret_keys opens (a key missing, or dropped before every "
+                "secret was re-sealed)") from None
+
+    def reseal(self, stored: str) -> str:
+        """``stored`` sealed with the newest key (a plain secret sealed for the first time)."""
+        return self.seal(self.open(stored) if self.sealed(stored) else stored)
+
+
+def open_secret(stored: str, box: SecretBox | None) -> str:
+    """The secret a row holds: as is when plain, opened when sealed."""
+    if not SecretBox.sealed(stored):
+        return stored
+    if box is None:
+        raise WebhookSecretLocked(
+            "the endpoint's secret is sealed and this process has no "
+            "pgjobs_webhook_secret_keys to open it")
+    return box.open(stored)
 
 
 def check_disable_after(value: Any, what: str = "disable_after") -> int | None:
@@ -245,9 +330,14 @@ def _dicts(cur: psycopg.Cursor[Any]) -> list[dict[str, Any]]:
 class WebhookStore:
     """Webhook statements on one schema, over a connection the caller owns (autocommit)."""
 
-    def __init__(self, conn: psycopg.Connection[Any], schema: str) -> None:
+    def __init__(self, conn: psycopg.Connection[Any], schema: str, *,
+                 box: SecretBox | None = None) -> None:
         self.conn = conn
         self.q = queries(validate_schema_name(schema))
+        self.box = box
+
+    def _stored(self, secret: str) -> str:
+        return self.box.seal(secret) if self.box is not None else secret
 
     # -- endpoints -------------------------------------------------------------------------
     def add(self, url: str, secret: str, *, description: str | None = None,
@@ -261,7 +351,7 @@ class WebhookStore:
             raise InvalidWebhookEndpoint("description must be a string of at most 1000 "
                                          "characters")
         row = self.conn.execute(self.q["webhook_endpoint_add"], {
-            "url": url, "secret": secret, "description": description,
+            "url": url, "secret": self._stored(secret), "description": description,
             "disable_after": disable_after}).fetchone()
         assert row is not None
         return int(row[0])
@@ -276,7 +366,8 @@ class WebhookStore:
                                 {"id": int(endpoint_id)}).fetchone()
         if row is None:
             return None
-        return Endpoint(id=int(endpoint_id), url=row[0], secret=row[1], enabled=bool(row[2]))
+        return Endpoint(id=int(endpoint_id), url=row[0], secret=open_secret(row[1], self.box),
+                        enabled=bool(row[2]))
 
     def ls(self, *, after: Any = None, limit: int = 50) -> dict[str, Any]:
         if not 1 <= int(limit) <= MAX_PAGE:
@@ -313,10 +404,52 @@ class WebhookStore:
         ident = check_endpoint_id(endpoint_id)
         check_secret(secret)
         row = self.conn.execute(self.q["webhook_endpoint_set_secret"],
-                                {"id": ident, "secret": secret}).fetchone()
+                                {"id": ident, "secret": self._stored(secret)}).fetchone()
         if row is None:
             raise WebhookEndpointNotFound(f"no webhook endpoint with id {ident}")
         return self.show(ident)
+
+    def reseal(self, *, dry_run: bool = False, tries: int = 5) -> dict[str, Any]:
+        """Seal every plain secret and re-seal every sealed one with the newest key (after a
+        key rotation), one endpoint per transaction. A secret rotated at the same moment is
+        never overwritten: each endpoint is read and written in one REPEATABLE READ
+        transaction, which a concurrent change makes fail, and it is tried again. Needs the
+        right to read the secret column (the owner's or the worker's role)."""
+        if self.box is None:
+            raise InvalidWebhookSetting("resealing needs keys (pgjobs_webhook_secret_keys)")
+        counts = {"endpoints": 0, "sealed": 0, "resealed": 0, "dry_run": dry_run}
+        after = 0
+        while True:
+            page = self.ls(after=after or None, limit=MAX_PAGE)
+            for item in page["items"]:
+                ident = int(item["id"])
+                counts["endpoints"] += 1
+                kind = self._reseal_one(ident, dry_run, tries)
+                if kind:
+                    counts[kind] += 1
+                after = ident
+            if page["next"] is None:
+                return counts
+
+    def _reseal_one(self, ident: int, dry_run: bool, tries: int) -> str | None:
+        assert self.box is not None
+        for attempt in range(tries):
+            try:
+                with self.conn.transaction():
+                    self.conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+                    row = self.conn.execute(self.q["webhook_endpoint_for_delivery"],
+                                            {"id": ident}).fetchone()
+                    if row is None:  # removed meanwhile
+                        return None
+                    kind = "resealed" if SecretBox.sealed(row[1]) else "sealed"
+                    if not dry_run:
+                        self.conn.execute(self.q["webhook_endpoint_set_secret"],
+                                          {"id": ident, "secret": self.box.reseal(row[1])})
+                    return kind
+            except psycopg.errors.SerializationFailure:
+                if attempt == tries - 1:
+                    raise
+        return None
 
     # -- the ledger ------------------------------------------------------------------------
     def record_attempt(self, attempt: Mapping[str, Any], *, effect: str,

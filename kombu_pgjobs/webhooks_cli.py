@@ -1,10 +1,13 @@
-"""``pgjobs webhooks ls | add | rotate ID | show ID | attempts ID | enable ID | disable ID``, and
-the ledger's retention in ``pgjobs prune --webhook-attempts-older-than``.
+"""``pgjobs webhooks ls | add | rotate ID | show ID | attempts ID | enable ID | disable ID |
+reseal``, and the ledger's retention in ``pgjobs prune --webhook-attempts-older-than``.
 
 Registered on the parser by :func:`register` (the only line :mod:`kombu_pgjobs.cli` has for
 it); everything goes through :class:`~kombu_pgjobs.webhooks.WebhookStore`. A secret is taken
 from an environment variable or standard input, never from the command line (shell history,
-``ps``), and never printed: ``ls`` and ``show`` print ``********``.
+``ps``), and never printed: ``ls`` and ``show`` print ``********``. With the app's Fernet keys
+in ``$PGJOBS_WEBHOOK_SECRET_KEYS`` (comma-separated, newest first; another variable with
+``--keys-env``), ``add`` and ``rotate`` seal the secret as the app does, and ``reseal`` seals
+the plain ones and re-seals the rest with the newest key.
 """
 
 from __future__ import annotations
@@ -18,11 +21,21 @@ from typing import Any
 
 from .admin import Admin, parse_duration
 from .cli import _admin, _age, _safe_line, _table, _ts
-from .errors import InvalidArgument, InvalidWebhookEndpoint, MigrationError
+from .errors import InvalidArgument, InvalidWebhookEndpoint, InvalidWebhookSetting, MigrationError
 from .schema import current_version
-from .webhooks import MASK, WebhookStore, check_url, check_url_egress, parse_allow_hosts
+from .webhooks import (
+    MASK,
+    SecretBox,
+    WebhookStore,
+    check_url,
+    check_url_egress,
+    parse_allow_hosts,
+)
 
-__all__ = ["register"]
+__all__ = ["KEYS_ENV", "register"]
+
+#: where the CLI finds the app's pgjobs_webhook_secret_keys (comma-separated, newest first)
+KEYS_ENV = "PGJOBS_WEBHOOK_SECRET_KEYS"
 
 #: the schema version that has the webhook tables
 WEBHOOK_SCHEMA_VERSION = 10
@@ -37,6 +50,20 @@ def _opened(args: argparse.Namespace) -> Iterator[tuple[Admin, WebhookStore]]:
                 f"schema {admin.schema!r} is at version {version}; webhooks need "
                 f"{WEBHOOK_SCHEMA_VERSION}: run `pgjobs migrate`")
         yield admin, WebhookStore(admin.conn, admin.schema)
+
+
+def _box(args: argparse.Namespace, required: bool = False) -> SecretBox | None:
+    """The app's keys from the environment (``--keys-env``, else $PGJOBS_WEBHOOK_SECRET_KEYS);
+    None without them (secrets written as given)."""
+    name = getattr(args, "keys_env", None) or KEYS_ENV
+    value = os.environ.get(name)
+    if not value:
+        if required or getattr(args, "keys_env", None):
+            raise InvalidWebhookSetting(f"environment variable {name} holds no keys (the "
+                                        "app's pgjobs_webhook_secret_keys, comma-separated, "
+                                        "newest first)")
+        return None
+    return SecretBox([k.strip() for k in value.split(",") if k.strip()], what=name)
 
 
 @contextmanager
@@ -74,7 +101,9 @@ def cmd_add(args: argparse.Namespace) -> dict[str, Any]:
                                         InvalidArgument)
     check_url_egress(args.url, allow_names=names, allow_networks=networks)
     secret = _secret(args)
+    box = _box(args)
     with _store(args) as store:
+        store.box = box
         ident = store.add(args.url, secret, description=args.description,
                           disable_after=args.disable_after)
         return store.show(ident)
@@ -83,8 +112,19 @@ def cmd_add(args: argparse.Namespace) -> dict[str, Any]:
 def cmd_rotate(args: argparse.Namespace) -> dict[str, Any]:
     """Replace an endpoint's signing secret (from --secret-env VAR or --secret-stdin)."""
     secret = _secret(args)
+    box = _box(args)
     with _store(args) as store:
+        store.box = box
         return store.set_secret(args.id, secret)
+
+
+def cmd_reseal(args: argparse.Namespace) -> dict[str, Any]:
+    """Seal plain endpoint secrets and re-seal sealed ones with the newest key (after a key
+    rotation); needs a role that may read secrets (the owner's or the worker's)."""
+    box = _box(args, required=True)
+    with _store(args) as store:
+        store.box = box
+        return store.reseal(dry_run=args.dry_run)
 
 
 def cmd_show(args: argparse.Namespace) -> dict[str, Any]:
@@ -165,6 +205,12 @@ def _render_attempts(result: dict[str, Any]) -> str:
     return text
 
 
+def _render_reseal(r: dict[str, Any]) -> str:
+    verb = "would seal" if r["dry_run"] else "sealed"
+    return (f"{r['endpoints']} endpoints: {verb} {r['sealed']} plain secrets, "
+            f"{'would re-seal' if r['dry_run'] else 're-sealed'} {r['resealed']}")
+
+
 def _render_enabled(r: dict[str, Any]) -> str:
     return f"webhook endpoint {r['id']}: {_state(r)}"
 
@@ -207,6 +253,14 @@ def _secret_args(p: argparse.ArgumentParser) -> None:
                    help="read the signing secret from this environment variable")
     p.add_argument("--secret-stdin", action="store_true",
                    help="read the signing secret from the first line of standard input")
+    _keys_arg(p)
+
+
+def _keys_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--keys-env", metavar="VAR",
+                   help=f"the app's Fernet keys (pgjobs_webhook_secret_keys, comma-separated, "
+                        f"newest first) are in this environment variable (default ${KEYS_ENV}, "
+                        "if set): secrets are sealed with the newest")
 
 
 def register(sub: Any, common: argparse.ArgumentParser, add: Callable[..., Any]) -> None:
@@ -214,7 +268,7 @@ def register(sub: Any, common: argparse.ArgumentParser, add: Callable[..., Any])
     ``pgjobs prune``. ``add`` is the CLI's own subcommand maker."""
     hooks = sub.add_parser("webhooks", parents=[common],
                            help="webhook endpoints: ls, add, rotate, show, attempts, enable, "
-                                "disable")
+                                "disable, reseal")
     wsub = hooks.add_subparsers(dest="webhooks_command", required=True, metavar="COMMAND")
     p = add(wsub, "ls", cmd_ls, _render_ls, common)
     p.add_argument("--after", metavar="ID", help="the page after this endpoint id")
@@ -243,6 +297,9 @@ def register(sub: Any, common: argparse.ArgumentParser, add: Callable[..., Any])
     p.add_argument("id")
     p = add(wsub, "disable", cmd_disable, _render_enabled, common)
     p.add_argument("id")
+    p = add(wsub, "reseal", cmd_reseal, _render_reseal, common)
+    _keys_arg(p)
+    p.add_argument("--dry-run", action="store_true", help="count only; change nothing")
 
     prune = sub.choices["prune"]
     prune.add_argument("--webhook-attempts-older-than", metavar="DURATION",

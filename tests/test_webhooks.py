@@ -119,16 +119,19 @@ def explain_unless(predicate: Any, timeout: float, what: str, db: psycopg.Connec
 def test_verify_accepts_the_real_signature_and_rejects_the_rest():
     body = b'{"id":"evt_1","type":"order.paid","created":1,"data":{"n":1}}'
     now = 1_700_000_000
-    header = webhooks.sign(SECRET, body, now)
-    assert header.startswith(f"t={now},v1=") and len(header.split("v1=")[1]) == 64
-    headers = {"pgjobs-signature": header, "Content-Type": "application/json"}
-    assert webhooks.verify(headers, body, SECRET, now=now + 10) == now
-    assert webhooks.verify(list(headers.items()), body, SECRET, now=now - 299) == now
+    header = webhooks.sign(SECRET, body, "evt_1", now)
+    assert header.startswith(f"t={now},v2=") and len(header.split("v2=")[1]) == 64
+    base = {"Pgjobs-Event-Id": "evt_1", "Content-Type": "application/json"}
+    headers = {"pgjobs-signature": header, **base}
+    assert webhooks.verify(headers, body, SECRET, now=now + 10) == \
+        webhooks.Verified(event_id="evt_1", timestamp=now)
+    assert webhooks.verify(list(headers.items()), body, SECRET, now=now - 299).timestamp == now
     from email.message import Message  # what http.server hands a handler as self.headers
 
     message = Message()
     message["Pgjobs-Signature"] = header
-    assert webhooks.verify(message, body, SECRET, now=now) == now
+    message["Pgjobs-Event-Id"] = "evt_1"
+    assert webhooks.verify(message, body, SECRET, now=now).event_id == "evt_1"
 
     def refused(hdrs: Any, data: bytes, secret: Any, **kw: Any) -> str:
         with pytest.raises(WebhookSignatureInvalid) as err:
@@ -138,15 +141,29 @@ def test_verify_accepts_the_real_signature_and_rejects_the_rest():
 
     assert "matches" in refused(headers, body.replace(b"1}", b"2}"), SECRET, now=now)
     assert "matches" in refused(headers, body, SECRET + "x", now=now)
+    assert "matches" in refused({**headers, "Pgjobs-Event-Id": "evt_2"}, body, SECRET, now=now)
     assert "tolerance" in refused(headers, body, SECRET, now=now + 301)
     assert "tolerance" in refused(headers, body, SECRET, now=now - 301), "from the future"
     assert "tolerance" in refused(headers, body, SECRET, now=now + 61, tolerance=60)
-    assert "no Pgjobs-Signature" in refused({}, body, SECRET, now=now)
-    assert "malformed" in refused({"Pgjobs-Signature": "t=abc,v1=00"}, body, SECRET, now=now)
-    assert "no v1=" in refused({"Pgjobs-Signature": f"t={now}"}, body, SECRET, now=now)
+    assert "no Pgjobs-Signature" in refused({"Pgjobs-Event-Id": "evt_1"}, body, SECRET,
+                                            now=now)
+    assert "no Pgjobs-Event-Id" in refused({"Pgjobs-Signature": header}, body, SECRET, now=now)
+    assert "malformed" in refused({**headers, "Pgjobs-Event-Id": "evt 1"}, body, SECRET,
+                                  now=now)
+    assert "malformed" in refused({**base, "Pgjobs-Signature": "t=abc,v2=00"}, body,
+                                  SECRET, now=now)
+    assert "no v2=" in refused({**base, "Pgjobs-Signature": f"t={now}"}, body, SECRET,
+                               now=now)
+    # the old scheme alone is refused, even when it is right
+    old = f"t={now},v1={webhooks.signing.signature_v1(SECRET, now, body)}"
+    assert "v1" in refused({**base, "Pgjobs-Signature": old}, body, SECRET, now=now)
+    both = webhooks.sign(SECRET, body, "evt_1", now, v1=True)
+    assert ",v1=" in both
+    assert webhooks.verify({**base, "Pgjobs-Signature": both}, body, SECRET, now=now)
     # a timestamp moved forward keeps the old signature: refused
     moved = header.replace(f"t={now}", f"t={now + 100}")
-    assert "matches" in refused({"Pgjobs-Signature": moved}, body, SECRET, now=now + 100)
+    assert "matches" in refused({**base, "Pgjobs-Signature": moved}, body, SECRET,
+                                now=now + 100)
     with pytest.raises(TypeError):
         webhooks.verify(headers, body.decode(), SECRET, now=now)  # type: ignore[arg-type]
 
@@ -155,38 +172,47 @@ def test_verify_during_a_secret_rotation():
     body = b"{}"
     old, new = "old-secret-0123456789", "new-secret-0123456789"
     now = 1_700_000_000
-    signed_old = webhooks.sign(old, body, now)
-    assert webhooks.verify({"Pgjobs-Signature": signed_old}, body, [new, old], now=now) == now
-    both = f"{webhooks.sign(new, body, now)},v1={signed_old.split('v1=')[1]}"
-    assert webhooks.verify({"Pgjobs-Signature": both}, body, [old], now=now) == now
-    assert webhooks.verify({"Pgjobs-Signature": both}, body, new, now=now) == now
+    signed_old = webhooks.sign(old, body, "evt_r", now)
+    event = {"Pgjobs-Event-Id": "evt_r"}
+    assert webhooks.verify({"Pgjobs-Signature": signed_old, **event}, body, [new, old],
+                           now=now).event_id == "evt_r"
+    both = f"{webhooks.sign(new, body, 'evt_r', now)},v2={signed_old.split('v2=')[1]}"
+    assert webhooks.verify({"Pgjobs-Signature": both, **event}, body, [old], now=now)
+    assert webhooks.verify({"Pgjobs-Signature": both, **event}, body, new, now=now)
     with pytest.raises(WebhookSignatureInvalid):
-        webhooks.verify({"Pgjobs-Signature": signed_old}, body, ["third-secret-0123456"],
-                        now=now)
+        webhooks.verify({"Pgjobs-Signature": signed_old, **event}, body,
+                        ["third-secret-0123456"], now=now)
 
 
-def receiver_snippet() -> Any:
-    """The stdlib-only receiver function docs/webhooks.md offers to copy, as written there."""
+def receiver_snippet(name: str = "verify_pgjobs_webhook", marker: str = "receiver-snippet",
+                     namespace: dict[str, Any] | None = None) -> Any:
+    """A function docs/webhooks.md offers to copy, as written there."""
     text = (ROOT / "docs" / "webhooks.md").read_text("utf-8")
-    block = text.split("<!-- receiver-snippet -->", 1)[1].split("```python\n", 1)[1]
-    namespace: dict[str, Any] = {}
+    block = text.split(f"<!-- {marker} -->", 1)[1].split("```python\n", 1)[1]
+    namespace = {} if namespace is None else namespace
     exec(compile(block.split("```", 1)[0], "docs/webhooks.md", "exec"), namespace)
-    return namespace["verify_pgjobs_webhook"]
+    return namespace[name]
 
 
 def test_the_docs_receiver_snippet_verifies_like_verify():
     check = receiver_snippet()
     body = b'{"id":"evt_1","data":{}}'
     now = int(time.time())
-    headers = {"Pgjobs-Signature": webhooks.sign(SECRET, body, now)}
-    assert check(headers, body, SECRET) is True
-    assert check({k.lower(): v for k, v in headers.items()}, body, ["other-secret-0000", SECRET])
-    assert check(headers, body + b" ", SECRET) is False
-    assert check(headers, body, "wrong-secret-000000") is False
-    assert check({"Pgjobs-Signature": webhooks.sign(SECRET, body, now - 301)}, body,
-                 SECRET) is False
-    assert check({}, body, SECRET) is False
-    assert check({"Pgjobs-Signature": "t=x,v1=00"}, body, SECRET) is False
+    headers = {"Pgjobs-Signature": webhooks.sign(SECRET, body, "evt_1", now),
+               "Pgjobs-Event-Id": "evt_1"}
+    assert check(headers, body, SECRET) == "evt_1"
+    assert check({k.lower(): v for k, v in headers.items()}, body,
+                 ["other-secret-0000", SECRET]) == "evt_1"
+    assert check(headers, body + b" ", SECRET) is None
+    assert check(headers, body, "wrong-secret-000000") is None
+    assert check({**headers, "Pgjobs-Event-Id": "evt_2"}, body, SECRET) is None
+    assert check({"Pgjobs-Signature": webhooks.sign(SECRET, body, "evt_1", now - 301),
+                  "Pgjobs-Event-Id": "evt_1"}, body, SECRET) is None
+    assert check({}, body, SECRET) is None
+    assert check({"Pgjobs-Signature": "t=x,v2=00", "Pgjobs-Event-Id": "evt_1"}, body,
+                 SECRET) is None
+    old = f"t={now},v1={webhooks.signing.signature_v1(SECRET, now, body)}"
+    assert check({"Pgjobs-Signature": old, "Pgjobs-Event-Id": "evt_1"}, body, SECRET) is None
 
 
 # -- the retry table and the settings -------------------------------------------------------------
@@ -372,8 +398,8 @@ def test_deliveries_retries_and_the_ledger(db, schema, url, server, start_worker
 
     # 200: one signed POST, verified with the secret; delivered in the ledger
     (ok,) = server.requests("/ok")
-    assert webhooks.verify(ok.headers, ok.body, SECRET) > 0
-    assert receiver_snippet()(ok.headers, ok.body, SECRET) is True
+    assert webhooks.verify(ok.headers, ok.body, SECRET).event_id == "evt/ok"
+    assert receiver_snippet()(ok.headers, ok.body, SECRET) == "evt/ok"
     assert ok.headers["Pgjobs-Event-Id"] == "evt/ok" == sent["/ok"].event_id
     assert ok.headers["Pgjobs-Event-Type"] == "order.paid"
     assert ok.headers["Pgjobs-Delivery-Attempt"] == "1"
@@ -482,7 +508,7 @@ def test_an_endpoint_is_disabled_after_n_failed_deliveries(db, schema, url, serv
              what="delivered")
     resent = server.requests("/down")[-1]
     assert resent.headers["Pgjobs-Event-Id"] == "evt_3" == third.event_id
-    assert webhooks.verify(resent.headers, resent.body, [SECRET, rotated]) > 0
+    assert webhooks.verify(resent.headers, resent.body, [SECRET, rotated]).timestamp > 0
     with pytest.raises(WebhookSignatureInvalid):
         webhooks.verify(resent.headers, resent.body, SECRET)
     assert secret_leaks(db, schema, worker.output(), secrets=(SECRET, rotated)) == []

@@ -14,11 +14,13 @@ ledger of every attempt, Retry-After, automatic disabling, and the receiver's ``
 
 On the receiving side::
 
-    webhooks.verify(request.headers, request.body, secret)   # raises WebhookSignatureInvalid
+    event = webhooks.verify(request.headers, request.body, secret)  # WebhookSignatureInvalid
+    # then process event.event_id at most once (docs/webhooks.md: deduplicating)
 
 App settings: ``pgjobs_webhook_allow_hosts``, ``pgjobs_webhook_disable_after``,
 ``pgjobs_webhook_backoff``, ``pgjobs_webhook_backoff_max``, ``pgjobs_webhook_timeout``,
-``pgjobs_webhook_max_attempts``, ``pgjobs_webhook_concurrency_per_endpoint`` (see
+``pgjobs_webhook_max_attempts``, ``pgjobs_webhook_concurrency_per_endpoint``,
+``pgjobs_webhook_secret_keys``, ``pgjobs_webhook_sign_v1`` (see
 :mod:`celery_ext.webhooks.settings` and docs/webhooks.md).
 """
 
@@ -51,6 +53,7 @@ from .signing import (
     EVENT_ID_HEADER,
     EVENT_TYPE_HEADER,
     SIGNATURE_HEADER,
+    Verified,
     sign,
     verify,
 )
@@ -62,11 +65,13 @@ __all__ = [
     "EVENT_TYPE_HEADER",
     "SIGNATURE_HEADER",
     "Sent",
+    "Verified",
     "WebhookSettings",
     "add_endpoint",
     "deliver",
     "disable",
     "enable",
+    "reseal_secrets",
     "rotate_secret",
     "send",
     "sign",
@@ -103,7 +108,7 @@ def add_endpoint(url: str, *, secret: str, description: str | None = None,
     check_url_egress(url, allow_names=settings.allow_names,
                      allow_networks=settings.allow_networks)
     backend, schema = store(app)
-    return int(backend.publishing(lambda c: WebhookStore(c, schema).add(
+    return int(backend.publishing(lambda c: WebhookStore(c, schema, box=settings.secret_box).add(
         url, secret, description=description, disable_after=disable_after)))
 
 
@@ -125,10 +130,38 @@ def disable(endpoint_id: int, *, app: Any = None) -> dict[str, Any]:
 def rotate_secret(endpoint_id: int, *, secret: str, app: Any = None) -> dict[str, Any]:
     """Sign the endpoint's deliveries with a new secret from the next attempt on. Have the
     receiver accept both (``verify(..., [new, old])``) first, rotate, then let it drop the
-    old one."""
-    backend, schema = store(_app(app))
+    old one. Sealed with the app's newest key when ``pgjobs_webhook_secret_keys`` is set."""
+    app = _app(app)
+    box = webhook_settings(app.conf).secret_box
+    backend, schema = store(app)
     return dict(backend.publishing(
-        lambda c: WebhookStore(c, schema).set_secret(endpoint_id, secret)))
+        lambda c: WebhookStore(c, schema, box=box).set_secret(endpoint_id, secret)))
+
+
+def reseal_secrets(*, dry_run: bool = False, app: Any = None) -> dict[str, Any]:
+    """Seal every endpoint secret stored as plain text, and re-seal every sealed one with the
+    newest of ``pgjobs_webhook_secret_keys`` (run it after putting a new key first; then the
+    old key can go). Returns how many endpoints there are, were sealed and were re-sealed.
+    Runs as the app's own database role (the operator and read-only roles cannot read a
+    secret)."""
+    app = _app(app)
+    box = webhook_settings(app.conf).secret_box
+    if box is None:
+        raise InvalidWebhookSetting("reseal_secrets needs pgjobs_webhook_secret_keys")
+    backend, schema = store(app)
+    return dict(backend.publishing(
+        lambda c: WebhookStore(c, schema, box=box).reseal(dry_run=dry_run)))
+
+
+def _header_value(value: Any, what: str) -> str:
+    """An event id or type: it travels in a header (and the id in the signed string), so 1
+    to 200 printable ASCII characters without spaces."""
+    text = check_key(value, what, error=InvalidWebhookEvent)
+    if not text.isascii() or not text.isprintable() or " " in text:
+        raise InvalidWebhookEvent(
+            f"{what} must be printable ASCII without spaces (it is sent as an HTTP header): "
+            f"{text[:40]!r}")
+    return text
 
 
 def _payload(payload: Any) -> None:
@@ -144,8 +177,9 @@ def send(endpoint_id: int, event_type: str, payload: Any, event_id: str | None =
          app: Any = None, **options: Any) -> Sent:
     """Publish one delivery of an event to an endpoint; return the event and task ids.
 
-    ``event_id`` (default: a fresh ``evt_<uuid>``) is sent as the ``Pgjobs-Event-Id`` header
-    and in the body: receivers deduplicate on it (a delivery is at least once). ``options``
+    ``event_id`` (default: a fresh ``evt_<uuid>``; 1 to 200 printable ASCII characters) is
+    sent as the ``Pgjobs-Event-Id`` header, in the body, and in the signed string: receivers
+    deduplicate on it (a delivery is at least once). ``options``
     go to ``apply_async`` (``queue``, ``countdown``, ``priority``...). Bad input raises
     ``PGJ-804`` (event), ``PGJ-802`` (no such endpoint) or ``PGJ-803`` (a bad
     ``pgjobs_webhook_*`` setting), and nothing is published.
@@ -157,9 +191,9 @@ def send(endpoint_id: int, event_type: str, payload: Any, event_id: str | None =
             "app (the delivery's retries and dead letters are celery_ext's)")
     settings = webhook_settings(app.conf)  # a bad setting fails the sender, not a delivery
     ident = check_endpoint_id(endpoint_id)
-    kind = check_key(event_type, "webhook event type", error=InvalidWebhookEvent)
-    event = check_key(event_id if event_id is not None else f"evt_{uuid.uuid4().hex}",
-                      "webhook event id", error=InvalidWebhookEvent)
+    kind = _header_value(event_type, "webhook event type")
+    event = _header_value(event_id if event_id is not None else f"evt_{uuid.uuid4().hex}",
+                          "webhook event id")
     _payload(payload)
     backend, schema = store(app)
     if not backend.publishing(lambda c: WebhookStore(c, schema).exists(ident)):

@@ -5,9 +5,10 @@ One run of :data:`deliver` is one attempt:
 1. read the endpoint (URL, secret, enabled) by id. A disabled endpoint is not attempted (no
    socket is opened): the task fails at once with :class:`WebhookEndpointDisabled`, which the
    dead letters record with reason ``endpoint_disabled``;
-2. POST the event (a JSON envelope, the same bytes on every attempt) with the signature,
-   event-id, event-type and attempt headers, through the egress-checked client, with the
-   ``pgjobs_webhook_timeout``, never following a redirect;
+2. POST the event (a JSON envelope, the same bytes on every attempt) with the signature (v2:
+   timestamp, event id and body), event-id, event-type and attempt headers, through the
+   egress-checked client, the whole attempt within ``pgjobs_webhook_timeout`` of wall-clock
+   time, never following a redirect;
 3. classify the outcome (see :func:`classify_status`) and, before anything is retried or
    dead-lettered, write the attempt to the ledger in one statement with its effect on the
    endpoint: a 2xx clears the endpoint's consecutive failed deliveries; a delivery that failed
@@ -47,6 +48,7 @@ from kombu_pgjobs.errors import (
     WebhookEndpointDisabled,
     WebhookEndpointNotFound,
     WebhookRejected,
+    WebhookSecretLocked,
     WebhookThrottled,
     WebhookUnavailable,
 )
@@ -54,7 +56,7 @@ from kombu_pgjobs.webhooks import MAX_EXCERPT, WebhookStore
 
 from ..deadletter import _backend, storable
 from ..retry import PgJobsTask, parse_retry_after, retry_after_delay
-from .egress import guarded_client
+from .egress import attempt_deadline, guarded_client
 from .settings import WebhookSettings, webhook_settings
 from .signing import ATTEMPT_HEADER, EVENT_ID_HEADER, EVENT_TYPE_HEADER, SIGNATURE_HEADER, sign
 
@@ -115,12 +117,16 @@ def _client(settings: WebhookSettings) -> httpx.Client:
 
 def _read_excerpt(response: httpx.Response) -> str:
     """At most MAX_EXCERPT characters of the body: the rest is never read (a huge or endless
-    response cannot hold the worker)."""
+    response cannot hold the worker). A body cut short (the deadline's watchdog, a reset)
+    leaves what arrived: the status is the answer."""
     got = b""
-    for chunk in response.iter_raw():
-        got += chunk
-        if len(got) >= MAX_EXCERPT:
-            break
+    try:
+        for chunk in response.iter_raw():
+            got += chunk
+            if len(got) >= MAX_EXCERPT:
+                break
+    except httpx.TransportError:
+        pass
     return storable(got[:MAX_EXCERPT].decode("utf-8", "replace"))
 
 
@@ -144,27 +150,36 @@ def _retry_after(response: httpx.Response) -> float | None:
 
 def post(settings: WebhookSettings, url: str, body: bytes,
          headers: dict[str, str]) -> Outcome:
+    """One POST, all of it (the name lookup, connect, TLS, sending, the answer's head and the
+    excerpt) within ``pgjobs_webhook_timeout`` of wall-clock time: a server that trickles
+    cannot stretch it (:func:`.egress.attempt_deadline`)."""
     started = time.monotonic()
-    try:
-        with _client(settings).stream("POST", url, content=body, headers=headers,
-                                      timeout=settings.timeout) as response:
-            excerpt = _read_excerpt(response)
-            retry_after = _retry_after(response)
-            status = response.status_code
-            out = Outcome(kind=classify_status(status, retry_after), status=status,
-                          excerpt=excerpt, location=response.headers.get("location"),
-                          retry_after=retry_after)
-            if out.kind != "delivered":
-                out.error = f"HTTP {status} {response.reason_phrase}".strip()
-    except EgressRefused as exc:
-        out = Outcome(kind="refused", error=str(exc))
-    except httpx.TimeoutException as exc:
-        out = Outcome(kind="unavailable",
-                      error=f"{type(exc).__name__}: no answer within {settings.timeout:g} s")
-    except httpx.UnsupportedProtocol as exc:
-        out = Outcome(kind="rejected", error=f"{type(exc).__name__}: {exc}")
-    except httpx.TransportError as exc:
-        out = Outcome(kind="unavailable", error=f"{type(exc).__name__}: {exc}"[:1000])
+    budget = settings.timeout
+    with attempt_deadline(budget) as attempt:
+        try:
+            with _client(settings).stream("POST", url, content=body, headers=headers,
+                                          timeout=httpx.Timeout(budget)) as response:
+                excerpt = _read_excerpt(response)
+                retry_after = _retry_after(response)
+                status = response.status_code
+                # the status came in time: it is the answer, even if the watchdog then cut a
+                # trickling body short (the excerpt is what arrived)
+                out = Outcome(kind=classify_status(status, retry_after), status=status,
+                              excerpt=excerpt, location=response.headers.get("location"),
+                              retry_after=retry_after)
+                if out.kind != "delivered":
+                    out.error = f"HTTP {status} {response.reason_phrase}".strip()
+        except EgressRefused as exc:
+            out = Outcome(kind="refused", error=str(exc))
+        except httpx.UnsupportedProtocol as exc:
+            out = Outcome(kind="rejected", error=f"{type(exc).__name__}: {exc}")
+        except httpx.TransportError as exc:
+            if isinstance(exc, httpx.TimeoutException) or attempt.expired:
+                out = Outcome(kind="unavailable",
+                              error=f"{type(exc).__name__}: no answer within {budget:g} s "
+                                    "(the attempt's deadline: connect, send and receive)")
+            else:
+                out = Outcome(kind="unavailable", error=f"{type(exc).__name__}: {exc}"[:1000])
     out.latency_ms = (time.monotonic() - started) * 1000.0
     return out
 
@@ -214,7 +229,7 @@ class WebhookTask(PgJobsTask):
     #: a database that failed under the attempt (the ledger could not be written) is an
     #: ordinary fault: the event is sent again later (receivers deduplicate on its id)
     retryable = (WebhookUnavailable, psycopg.OperationalError, DatabaseUnavailable,
-                 DatabaseTimeout)
+                 DatabaseTimeout, WebhookSecretLocked)
     retry_after_max = 1e9
     retry_after_jitter = 0.0
     acks_late = True
@@ -227,7 +242,19 @@ def deliver(self: WebhookTask, endpoint_id: int, event_id: str, event_type: str,
     settings = webhook_settings(self.app.conf)
     self.max_retries = settings.max_attempts - 1  # Celery's retry reads it
     backend, schema = store(self.app)
-    endpoint = backend.publishing(lambda c: WebhookStore(c, schema).for_delivery(endpoint_id))
+    attempt = int(self.request.retries or 0) + 1
+    try:
+        endpoint = backend.publishing(lambda c: WebhookStore(
+            c, schema, box=settings.secret_box).for_delivery(endpoint_id))
+    except WebhookSecretLocked as exc:
+        # nothing was sent, so no ledger row; waits the backoff like an unanswered attempt
+        # (another worker may hold the key), and fails for good when the attempts run out
+        log.warning("celery_ext.webhook.secret_locked endpoint=%s event=%s: %s", endpoint_id,
+                    event_id, exc, extra={"action": "celery_ext.webhook.secret_locked",
+                                          "endpoint_id": endpoint_id, "event_id": event_id})
+        if attempt >= settings.max_attempts:
+            raise
+        raise self.retry(exc=exc, countdown=backoff_delay(settings, attempt)) from None
     if endpoint is None:
         raise WebhookEndpointNotFound(f"no webhook endpoint with id {endpoint_id}")
     if not endpoint.enabled:
@@ -236,13 +263,13 @@ def deliver(self: WebhookTask, endpoint_id: int, event_id: str, event_type: str,
             "(`pgjobs webhooks enable ID`, then `pgjobs dead requeue`)")
         exc.dead_letter_reason = "endpoint_disabled"  # type: ignore[attr-defined]
         raise exc
-    attempt = int(self.request.retries or 0) + 1
     body = envelope(event_id, event_type, payload, created)
     headers = {
         "Content-Type": "application/json", "User-Agent": USER_AGENT,
         "Accept-Encoding": "identity",  # the excerpt is raw bytes, never a decompressed bomb
         EVENT_ID_HEADER: event_id, EVENT_TYPE_HEADER: event_type,
-        ATTEMPT_HEADER: str(attempt), SIGNATURE_HEADER: sign(endpoint.secret, body),
+        ATTEMPT_HEADER: str(attempt),
+        SIGNATURE_HEADER: sign(endpoint.secret, body, event_id, v1=settings.sign_v1),
     }
     outcome = post(settings, endpoint.url, body, headers)
     final = outcome.kind in ("rejected", "refused") or attempt >= settings.max_attempts

@@ -20,6 +20,15 @@ never followed, proxies from the environment are ignored (a proxy would connect 
 unchecked), Unix sockets are refused, and a kept-alive connection was checked when it was made.
 
 
+**One deadline per attempt.** httpx's timeouts bound each wait (a connect, one read, one
+write), so a server that trickles its answer a byte at a time, each within the timeout, could
+hold a worker for as long as it likes. Inside :func:`attempt_deadline` every step of the
+attempt is bounded by what is left of one wall-clock budget: the name lookup (run aside and
+abandoned at the deadline), the connect, the TLS handshake, every write and every read take at
+most the time remaining, and at the deadline a watchdog shuts down every socket the attempt
+used, which ends whatever step is blocked (a handshake or a send that a per-call timeout
+cannot bound). An attempt therefore ends by its deadline whatever the server does.
+
 The rule itself (:func:`refusal`, :func:`check_addresses`) lives in
 :mod:`kombu_pgjobs.webhooks`, so that ``pgjobs webhooks add`` applies it without Celery.
 """
@@ -28,8 +37,11 @@ from __future__ import annotations
 
 import ipaddress
 import socket
+import threading
+import time
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import httpcore
@@ -40,11 +52,145 @@ from kombu_pgjobs.webhooks import METADATA_ADDRESSES, check_addresses, refusal
 
 from .settings import WebhookSettings
 
-__all__ = ["METADATA_ADDRESSES", "GuardedBackend", "check_addresses", "guarded_client",
-           "refusal"]
+__all__ = ["METADATA_ADDRESSES", "Attempt", "GuardedBackend", "attempt_deadline",
+           "check_addresses", "guarded_client", "refusal"]
 
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 Resolver = Callable[..., list[tuple[Any, ...]]]
+
+
+class Attempt:
+    """One attempt's deadline, and the streams it used (shut down when it passes)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.at = time.monotonic() + seconds
+        self.expired = False
+        self._streams: set[DeadlineStream] = set()
+        self._lock = threading.Lock()
+
+    def left(self, timeout: float | None, error: type[Exception]) -> float:
+        """``timeout`` bounded by what is left of the budget; ``error`` when nothing is."""
+        left = self.at - time.monotonic()
+        if left <= 0 or self.expired:
+            raise error(f"the attempt's deadline of {self.seconds:g} s passed")
+        return left if timeout is None else min(timeout, left)
+
+    def use(self, stream: DeadlineStream) -> None:
+        with self._lock:
+            if self.expired:
+                stream.abort()
+            else:
+                self._streams.add(stream)
+
+    def expire(self) -> None:
+        with self._lock:
+            self.expired = True
+            streams = list(self._streams)
+        for stream in streams:
+            stream.abort()
+
+
+_current = threading.local()
+
+
+def current_attempt() -> Attempt | None:
+    return getattr(_current, "attempt", None)
+
+
+@contextmanager
+def attempt_deadline(seconds: float) -> Iterator[Attempt]:
+    """Every connection step of this thread's requests inside is bounded by ``seconds`` of
+    wall-clock time in all (see the module's docstring)."""
+    attempt = Attempt(seconds)
+    previous = current_attempt()
+    _current.attempt = attempt
+    watchdog = threading.Timer(seconds, attempt.expire)
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        yield attempt
+    finally:
+        watchdog.cancel()
+        _current.attempt = previous
+
+
+def _bounded(timeout: float | None, error: type[Exception]) -> float | None:
+    attempt = current_attempt()
+    return timeout if attempt is None else attempt.left(timeout, error)
+
+
+class DeadlineStream(httpcore.NetworkStream):
+    """A connection whose every read, write and handshake is bounded by the current
+    attempt's deadline, and which the attempt's watchdog can shut down."""
+
+    def __init__(self, inner: httpcore.NetworkStream) -> None:
+        self.inner = inner
+
+    def _enter(self) -> None:
+        attempt = current_attempt()
+        if attempt is not None:
+            attempt.use(self)
+
+    def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        self._enter()
+        return self.inner.read(max_bytes, _bounded(timeout, httpcore.ReadTimeout))
+
+    def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        self._enter()
+        # in slices, each bounded afresh: one call's timeout would apply to every partial send
+        view = memoryview(buffer)
+        while view:
+            self.inner.write(bytes(view[:16384]), _bounded(timeout, httpcore.WriteTimeout))
+            view = view[16384:]
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def abort(self) -> None:
+        """Shut the socket down from another thread: a blocked step of its owner ends now."""
+        sock = self.inner.get_extra_info("socket")
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def start_tls(self, ssl_context: Any, server_hostname: str | None = None,
+                  timeout: float | None = None) -> httpcore.NetworkStream:
+        self._enter()
+        return DeadlineStream(self.inner.start_tls(
+            ssl_context, server_hostname, _bounded(timeout, httpcore.ConnectTimeout)))
+
+    def get_extra_info(self, info: str) -> Any:
+        return self.inner.get_extra_info(info)
+
+
+def _resolve_within(resolve: Resolver, host: str, port: int) -> list[tuple[Any, ...]]:
+    """``resolve(host, port)``, given at most what is left of the attempt: a lookup that
+    hangs is left behind (on a daemon thread) rather than waited for."""
+    attempt = current_attempt()
+    if attempt is None:
+        return resolve(host, port, type=socket.SOCK_STREAM)
+    left = attempt.left(None, httpcore.ConnectTimeout)
+    result: list[Any] = []
+    done = threading.Event()
+
+    def lookup() -> None:
+        try:
+            result.append(resolve(host, port, type=socket.SOCK_STREAM))
+        except BaseException as exc:  # handed to the waiting thread
+            result.append(exc)
+        finally:
+            done.set()
+
+    threading.Thread(target=lookup, daemon=True, name=f"resolve {host}").start()
+    if not done.wait(left):
+        raise httpcore.ConnectTimeout(f"resolving {host} took longer than the attempt's "
+                                      f"deadline of {attempt.seconds:g} s")
+    if isinstance(result[0], BaseException):
+        raise result[0]
+    return result[0]  # type: ignore[no-any-return]
 
 
 class GuardedBackend(httpcore.NetworkBackend):
@@ -62,7 +208,7 @@ class GuardedBackend(httpcore.NetworkBackend):
         except ValueError:
             pass
         try:
-            infos = self.resolve(host, port, type=socket.SOCK_STREAM)
+            infos = _resolve_within(self.resolve, host, port)
         except OSError as exc:  # an unknown name: a connection error (retried)
             raise httpcore.ConnectError(f"cannot resolve {host}: {exc}") from exc
         found: list[Address] = []
@@ -84,9 +230,9 @@ class GuardedBackend(httpcore.NetworkBackend):
         error: Exception | None = None
         for address in found:  # the checked addresses, never the name again
             try:
-                return self.inner.connect_tcp(str(address), port, timeout=timeout,
-                                              local_address=local_address,
-                                              socket_options=socket_options)
+                return DeadlineStream(self.inner.connect_tcp(
+                    str(address), port, timeout=_bounded(timeout, httpcore.ConnectTimeout),
+                    local_address=local_address, socket_options=socket_options))
             except (httpcore.ConnectError, httpcore.ConnectTimeout) as exc:
                 error = exc
         assert error is not None

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kombu_pgjobs.errors import InvalidWebhookSetting
-from kombu_pgjobs.webhooks import Network, parse_allow_hosts
+from kombu_pgjobs.webhooks import Network, SecretBox, parse_allow_hosts
 
 __all__ = ["Network", "WebhookSettings", "webhook_settings"]
 
@@ -24,12 +24,17 @@ class WebhookSettings:
     backoff: float = 30.0
     #: most seconds between two attempts (backoff and Retry-After alike)
     backoff_max: float = 21600.0
-    #: seconds to connect, and between bytes of the response
+    #: seconds one attempt may take in all: name lookup, connect, TLS, send and receive (a
+    #: wall-clock deadline, see celery_ext.webhooks.egress)
     timeout: float = 10.0
     #: attempts of one event before the delivery fails for good
     max_attempts: int = 12
     #: at most this many deliveries to one endpoint running at once, fleet-wide (None: no cap)
     concurrency_per_endpoint: int | None = None
+    #: also sign with the old v1 scheme (no event id), for receivers not upgraded yet
+    sign_v1: bool = False
+    #: seals endpoint secrets at rest (pgjobs_webhook_secret_keys; None: stored as given)
+    secret_box: SecretBox | None = field(default=None, repr=False, compare=False)
 
 
 def _number(conf: Any, name: str, default: float, low: float, high: float) -> float:
@@ -66,8 +71,14 @@ def webhook_settings(conf: Any) -> WebhookSettings:
         raise InvalidWebhookSetting(
             f"pgjobs_webhook_backoff_max ({backoff_max:g}) is below pgjobs_webhook_backoff "
             f"({backoff:g})")
+    keys = conf.get("pgjobs_webhook_secret_keys")
+    box = SecretBox(keys) if keys is not None else None
+    sign_v1 = conf.get("pgjobs_webhook_sign_v1")
+    if sign_v1 is not None and not isinstance(sign_v1, bool):
+        raise InvalidWebhookSetting(f"pgjobs_webhook_sign_v1 must be True or False, got "
+                                    f"{sign_v1!r}")
     return WebhookSettings(
-        allow_names=names, allow_networks=networks,
+        allow_names=names, allow_networks=networks, sign_v1=bool(sign_v1), secret_box=box,
         disable_after=_whole(conf, "pgjobs_webhook_disable_after", 20, 1_000_000),
         backoff=backoff, backoff_max=backoff_max,
         timeout=_number(conf, "pgjobs_webhook_timeout", 10.0, 0.0, 300.0),

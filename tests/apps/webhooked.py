@@ -2,7 +2,8 @@
 
 Settings from the environment (besides tests/apps/common.py's): PGJOBS_TEST_WEBHOOK_ALLOW
 (comma-separated pgjobs_webhook_allow_hosts; empty: none), PGJOBS_TEST_WEBHOOK_TIMEOUT,
-PGJOBS_TEST_WEBHOOK_ATTEMPTS (pgjobs_webhook_max_attempts). The backoff base is 0.1 s so that
+PGJOBS_TEST_WEBHOOK_ATTEMPTS (pgjobs_webhook_max_attempts), PGJOBS_TEST_WEBHOOK_KEYS
+(comma-separated pgjobs_webhook_secret_keys; unset: none). The backoff base is 0.1 s so that
 retries take a fraction of a second.
 """
 
@@ -29,4 +30,6 @@ app.conf.update(common.settings(
     pgjobs_webhook_backoff_max=5.0,
     pgjobs_webhook_disable_after=int(os.environ.get("PGJOBS_TEST_WEBHOOK_DISABLE_AFTER",
                                                     "20")),
+    pgjobs_webhook_secret_keys=os.environ["PGJOBS_TEST_WEBHOOK_KEYS"].split(",")
+    if os.environ.get("PGJOBS_TEST_WEBHOOK_KEYS") else None,
 ))
