@@ -1,97 +1,16 @@
-"""``celery inspect scheduled`` answered from Postgres.
-
-On Redis and RabbitMQ a worker holds every countdown/ETA task it received in memory until it is
-due, and ``inspect scheduled`` lists them. On pgjobs an ETA task waits in Postgres (not in any
-worker), so Celery's own answer is empty. celery_ext replaces the command (and its alias
-``dump_schedule``): a worker on pgjobs answers with the delayed messages of the queues it consumes,
-read from ``pgjobs_job`` (soonest first, at most :data:`LIMIT`), in Celery's shape
-(``{"eta", "priority", "request": {"id", "name", "args", "kwargs", "type", "hostname",
-"time_start", "acknowledged", "delivery_info", "worker_pid"}}``), followed by whatever Celery
-itself holds in memory. ``hostname``, ``time_start`` and ``worker_pid`` are None: no worker has
-the message yet.
-
-Several workers that consume the same queue each list the same messages (any of them may run
-it); dashboards that add up the replies count such a task once per worker. A worker on another
-broker answers as Celery does.
-"""
+"""``celery inspect scheduled`` answered from Postgres: now in :mod:`kombu_pgjobs.scheduled`,
+installed with no step by the hook that registers the ``pgjobs`` URL scheme when Celery loads
+``celery.worker.control``. Kept so imports of this module go on working."""
 
 from __future__ import annotations
 
-from typing import Any
-
-import psycopg
 from celery.worker import control
 
-from kombu_pgjobs.errors import DatabaseUnavailable
-from kombu_pgjobs.events import log_event, one_line
-from kombu_pgjobs.transport import Transport as PgJobsTransport
+from kombu_pgjobs.scheduled import LIMIT, install, scheduled
 
-__all__ = ["LIMIT", "install_scheduled"]
-
-#: the most delayed messages one reply lists
-LIMIT = 1000
-
-_celery_scheduled = control.Panel.data.get("scheduled")
-
-
-def _queues(consumer: Any) -> list[str]:
-    task_consumer = getattr(consumer, "task_consumer", None)
-    return sorted({q.name for q in getattr(task_consumer, "queues", None) or ()})
-
-
-def _entry(queue: str, priority: int, run_at: Any, headers: Any, info: Any) -> dict[str, Any]:
-    headers = headers if isinstance(headers, dict) else {}
-    info = info if isinstance(info, dict) else {}
-    return {
-        "eta": run_at.isoformat(),
-        "priority": priority,
-        "request": {
-            "id": headers.get("id"), "name": headers.get("task"),
-            "args": headers.get("argsrepr"), "kwargs": headers.get("kwargsrepr"),
-            "type": headers.get("task"), "hostname": None, "time_start": None,
-            "acknowledged": False,
-            "delivery_info": {"exchange": info.get("exchange", ""),
-                              "routing_key": info.get("routing_key", queue),
-                              "priority": priority, "redelivered": False},
-            "worker_pid": None,
-        },
-    }
-
-
-def scheduled(state: Any, **kwargs: Any) -> list[dict[str, Any]]:
-    """List of currently scheduled ETA/countdown tasks (on pgjobs: read from Postgres)."""
-    held = list(_celery_scheduled(state, **kwargs)) if _celery_scheduled else []
-    consumer = state.consumer
-    connection = getattr(consumer, "connection", None)
-    transport = getattr(connection, "transport", None)
-    queues = _queues(consumer)
-    if not isinstance(transport, PgJobsTransport) or not queues:
-        return held
-    # each database of a shard map lists its own queues' ETA rows
-    shards = transport.shards
-    by_backend: dict[int, tuple[Any, list[str]]] = {}
-    for queue in queues:
-        backend = transport.backend if shards is None else shards.backend_of(queue)
-        by_backend.setdefault(id(backend), (backend, []))[1].append(queue)
-    rows: list[Any] = []
-    for backend, names in by_backend.values():
-        try:
-            rows += backend.publishing(lambda c, b=backend, n=names: c.execute(
-                b.core.q["scheduled_list"], {"queues": n, "limit": LIMIT}).fetchall())
-        except (DatabaseUnavailable, psycopg.OperationalError) as exc:
-            if backend is transport.backend:
-                raise  # the default database: the reply is the error, as for any command
-            # a shard that is down: the others' ETA tasks are listed (PGJ-217)
-            log_event("pgjobs.shard.unavailable", what="inspect scheduled",
-                      queues=",".join(names), error=one_line(exc))
-    if len(by_backend) > 1:
-        rows.sort(key=lambda r: r[3])  # soonest first across databases
-    return [_entry(queue, priority, run_at, headers, info)
-            for _, queue, priority, run_at, headers, info in rows[:LIMIT]] + held
+__all__ = ["LIMIT", "install_scheduled", "scheduled"]
 
 
 def install_scheduled() -> None:
     """Replace Celery's ``scheduled`` inspect command (process-wide; idempotent)."""
-    control.Panel.data["scheduled"] = scheduled
-    if control.Panel.data.get("dump_schedule") is _celery_scheduled:
-        control.Panel.data["dump_schedule"] = scheduled
+    install(control)

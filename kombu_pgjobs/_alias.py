@@ -5,12 +5,19 @@ The ``kombu_pgjobs.pth`` file installed with the package imports this module at 
 To keep every Python start-up cheap it imports nothing heavy and not kombu: it waits for
 ``kombu.transport`` to be imported (by anyone) and adds the alias then. ``import kombu_pgjobs``
 registers it directly as well.
+
+The same hook makes the rest of what an app that only changed ``broker_url`` expects work, each
+when (and only if) the module it completes is imported: Flower's broker page and queue-length
+API (``flower.utils.broker``: :mod:`kombu_pgjobs.flower`) and ``celery inspect scheduled``
+(``celery.worker.control``: :mod:`kombu_pgjobs.scheduled`). kombu_pgjobs imports neither Flower
+nor Celery: it is handed their module as it is loaded.
 """
 
 from __future__ import annotations
 
 import re
 import sys
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import unquote
 
@@ -69,40 +76,81 @@ def _teach_host_lists() -> None:
     kombu_url._parse_url = parse
 
 
-class _RegisteringLoader:
-    """Runs the real loader, then registers the alias on the fresh module."""
+def _flower(module: object) -> None:
+    try:
+        from .flower import register as register_flower
 
-    def __init__(self, inner: object) -> None:
+        register_flower(module)
+    except Exception:  # never break the import of Flower itself
+        _hook_failed("flower.utils.broker")
+
+
+def _celery_control(module: object) -> None:
+    try:
+        from .scheduled import install as install_scheduled
+
+        install_scheduled(module)
+    except Exception:  # never break the import of Celery itself
+        _hook_failed("celery.worker.control")
+
+
+def _hook_failed(name: str) -> None:
+    import logging
+
+    logging.getLogger("kombu_pgjobs").warning(
+        "pgjobs could not complete %s (Flower queue lengths or inspect scheduled on pgjobs "
+        "stay Celery's own)", name, exc_info=True)
+
+
+#: module name -> what to do to that module once it is loaded
+HOOKS: dict[str, Callable[[object], None]] = {
+    "kombu.transport": register,
+    "flower.utils.broker": _flower,
+    "celery.worker.control": _celery_control,
+}
+
+
+class _RegisteringLoader:
+    """Runs the real loader, then the module's hook on the fresh module."""
+
+    def __init__(self, inner: object, hook: Callable[[object], None]) -> None:
         self.inner = inner
+        self.hook = hook
 
     def create_module(self, spec: object) -> object:
         return self.inner.create_module(spec)  # type: ignore[attr-defined]
 
     def exec_module(self, module: object) -> None:
         self.inner.exec_module(module)  # type: ignore[attr-defined]
-        register(module)
+        self.hook(module)
+
+    def __getattr__(self, name: str) -> Any:  # get_source, is_package, ...: the real loader's
+        return getattr(self.inner, name)
 
 
 class _Finder:
-    """A meta-path finder that only wraps the loader of ``kombu.transport``."""
+    """A meta-path finder that only wraps the loaders of the modules in :data:`HOOKS`."""
 
     def find_spec(self, fullname: str, path: object, target: object = None) -> object:
-        if fullname != "kombu.transport":
+        hook = HOOKS.get(fullname)
+        if hook is None:
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
                 continue
             spec = finder.find_spec(fullname, path, target)
             if spec is not None and spec.loader is not None:
-                spec.loader = _RegisteringLoader(spec.loader)
+                spec.loader = _RegisteringLoader(spec.loader, hook)
                 return spec
         return None
 
 
 def install() -> None:
-    if "kombu.transport" in sys.modules:
-        register()
-    elif not any(isinstance(f, _Finder) for f in sys.meta_path):
+    for name, hook in HOOKS.items():
+        module = sys.modules.get(name)
+        if module is not None:  # loaded before this hook: complete it now
+            hook(module)
+    if not any(isinstance(f, _Finder) for f in sys.meta_path):
         sys.meta_path.insert(0, _Finder())
 
 
