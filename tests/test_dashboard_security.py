@@ -478,3 +478,37 @@ def test_no_500_on_a_real_server_for_raw_non_ascii_cookies(core, url, schema, tm
             assert r.status == 200, (path, r.status)
         assert re.search("pgjobs", get(port, "/", {"Host": "127.0.0.1"}).getheader(
             "set-cookie") or "")
+
+
+def test_network_facing_dependency_floors_are_the_documented_ones():
+    """docs/security.md's table of floors, pyproject.toml's extras and what is installed agree:
+    a floor cannot move without the page, nor the tests run below a floor."""
+    from importlib.metadata import version
+    from pathlib import Path
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    requirements_mod = pytest.importorskip("packaging.requirements")
+    Requirement = requirements_mod.Requirement
+    Version = pytest.importorskip("packaging.version").Version
+
+    root = Path(__file__).resolve().parent.parent
+    doc = (root / "docs" / "security.md").read_text("utf-8")
+    section = doc.split("## Dependencies that face the network", 1)[1]
+    floors = dict(re.findall(r"^\| `([\w-]+)` \| `>=([\d.]+)` \|", section, re.M))
+    assert set(floors) == {"starlette", "python-multipart", "jinja2", "uvicorn", "h11",
+                           "httpx", "cryptography"}, floors
+    extras = tomllib.loads((root / "pyproject.toml").read_text("utf-8"))["project"][
+        "optional-dependencies"]
+    seen: dict[str, set[str]] = {}
+    for extra, requirements in extras.items():
+        for text in requirements:
+            req = Requirement(text)
+            name = req.name.lower()
+            if name in floors:
+                lows = {s.version for s in req.specifier if s.operator == ">="}
+                assert lows == {floors[name]}, (extra, text, floors[name])
+                seen.setdefault(name, set()).add(extra)
+    assert {"dashboard", "test"} <= seen["starlette"] and "webhooks" in seen["httpx"]
+    assert "encryption" in seen["cryptography"] and {"dashboard", "webhooks"} <= seen["h11"]
+    for name, floor in floors.items():
+        assert Version(version(name)) >= Version(floor), (name, version(name), floor)
