@@ -364,6 +364,55 @@ def test_the_worked_example_of_docs_steps_runs(db, stepped, schema, dsn, start_w
 
 
 
+
+# -- cost ----------------------------------------------------------------------------------------
+def test_a_task_without_steps_pays_nothing_and_a_step_one_statement(
+        db, stepped, schema, start_worker, dsn):
+    """Every statement of a solo worker counted at the wire: a task that never calls steps.of,
+    or calls it and uses no step, sends no step statement; a three-step task sends four (its
+    one read of the stored steps, then one fenced write per step); the same three steps
+    replayed (another message of the task id) send one, the read."""
+    from .wirecount import WireCounter
+
+    def _is_step(text: str) -> bool:  # a statement of sql/steps.sql, as bench/steps.py counts
+        return text.startswith(("WITH fence AS MATERIALIZED", "WITH held AS MATERIALIZED")) \
+            or "l.class = 'event'" in text
+
+    info = psycopg.conninfo.conninfo_to_dict(dsn)
+    with WireCounter(info.get("host", "127.0.0.1"), int(info.get("port", 5432))) as wire:
+        proxied = (f"pgjobs://{info.get('user', 'postgres')}@127.0.0.1:{wire.port}/"
+                   f"{info.get('dbname', 'test')}")
+        start_worker(name="cost", app=APP, pool="solo", concurrency=1,
+                     env={"PGJOBS_TEST_BROKER": proxied})
+
+        def steps_sent() -> int:
+            with wire.lock:
+                return sum(v for k, v in wire.by_text.items() if _is_step(k))
+
+        def measure(label: str, publish: Any, n: int = 20) -> int:
+            before = steps_sent()
+            for i in range(n):
+                publish(f"{label}{i}")
+            wait_for(lambda: count(db, f'SELECT count(*) FROM "{schema}".pgjobs_test_run '
+                                       "WHERE label LIKE %s", f"{label}%") == n, 60,
+                     interval=0.05, what=label)
+            return steps_sent() - before
+
+        assert measure("plain", stepped.record.delay) == 0
+        assert measure("unused", stepped.unused.delay) == 0
+        ids = [f"cost-{i}" for i in range(20)]
+        assert measure("three", lambda label: stepped.three.apply_async(
+            (label,), task_id=ids[int(label[5:])])) == 20 * 4
+        before = steps_sent()
+        for i in range(20):  # the same task ids again: every step replayed
+            stepped.three.apply_async((f"again{i}",), task_id=ids[i])
+        wait_for(lambda: count(db, f'SELECT count(*) FROM "{schema}".pgjobs_test_start '
+                                   "WHERE label LIKE 'again%%'") == 20, 60, interval=0.05,
+                 what="the replays")  # only the gap, outside any step, records
+        time.sleep(0.5)
+        assert steps_sent() - before == 20
+
+
 # -- roles ---------------------------------------------------------------------------------------
 def test_each_component_uses_steps_as_its_role(roles, db, schema, start_worker, capsys):
     """`pgjobs roles` grants: the worker role runs steps, sleeps and waits (it parks); the
