@@ -26,6 +26,7 @@ import psycopg
 from .admin import Admin
 from .database import connect
 from .errors import InvalidArgument, PgJobsError
+from .steps import suspended as suspended_messages
 
 __all__ = ["DEFAULT_QUEUES", "OTHER", "Metric", "MetricsSource", "ShardedMetrics",
            "check_queues", "collect", "make_server", "merge", "render"]
@@ -148,13 +149,22 @@ def collect(admin: Admin, *, tenants: int = DEFAULT_TENANTS,
             gone += int(w["running"])
     consumers.add(alive)
     orphaned.add(gone)
+    # durable steps (issue 32): parked messages by reason, never by queue (bounded: two series)
+    suspended = Metric("pgjobs_suspended_messages", "gauge",
+                       "Messages parked by a durable step (celery_ext.steps), by reason: sleep "
+                       "(steps.sleep) or event (steps.wait_for_event). No worker holds them.")
+    by_reason = {"sleep": 0, "event": 0}
+    for _, reason, n in suspended_messages(admin.conn, admin.schema):
+        by_reason[reason] = by_reason.get(reason, 0) + n
+    for reason, n in sorted(by_reason.items()):
+        suspended.add(n, reason=reason)
     per_tenant = _tenant_metrics(admin, tenants) if tenants else []
     up = Metric("pgjobs_up", "gauge", "1 when the exporter could read the pgjobs schema.")
     up.add(1)
     took = Metric("pgjobs_scrape_duration_seconds", "gauge", "Seconds this scrape took.")
     took.add(round(time.monotonic() - started, 6))
     return [up, messages, oldest, dead, paused, settled, count, consumers, orphaned,
-            *per_tenant, took]
+            suspended, *per_tenant, took]
 
 
 def _tenant_metrics(admin: Admin, top: int) -> list[Metric]:

@@ -381,3 +381,23 @@ def test_pgjobs_prune_and_steps_commands(core, db, backend, schema, url, capsys)
     out = json.loads(capsys.readouterr().out)
     assert out["steps"]["steps"] == {"matched": 2, "deleted": 2, "remaining": 0}
     assert cli(["requeue", "1", "--from-step", "a", "--dsn", url, "--schema", schema]) == 2
+
+
+def test_the_metric_counts_suspended_messages_by_reason(core, db, backend, schema):
+    from kombu_pgjobs.admin import Admin
+    from kombu_pgjobs.metrics import collect
+
+    for kind in ("sleep", "event", "event"):
+        steps, d = run_of(core, db, backend)
+        with pytest.raises(Suspended) as suspended:
+            if kind == "sleep":
+                steps.sleep("s", 60)
+            else:
+                steps.wait_for_event("e", key=d.job_id)
+        exc = suspended.value
+        backend.publishing(lambda c, d=d, exc=exc: db_steps.park(
+            c, schema, d, exc.name, kind=exc.kind, seconds=exc.seconds, event=exc.event,
+            key=exc.key))
+    metric = next(m for m in collect(Admin(db, schema)) if m.name == "pgjobs_suspended_messages")
+    assert sorted((labels["reason"], value) for labels, value in metric.samples) == [
+        ("event", 2), ("sleep", 1)]
