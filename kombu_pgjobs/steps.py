@@ -26,8 +26,8 @@ from .errors import InvalidArgument, InvalidStep, MigrationError, StateConflict,
 from .sql import queries
 
 __all__ = ["MAX_SECONDS", "MAX_TEXT", "Delivery", "Stored", "check_name", "emit", "event_key",
-           "load", "park", "prune", "requeue_from_step", "save", "seconds", "steps_of",
-           "suspended", "to_json", "wait"]
+           "load", "park", "prune", "requeue_from_step", "save", "seconds", "steps_for_page",
+           "steps_of", "suspended", "to_json", "wait"]
 
 #: names, events and keys: at most this many characters
 MAX_TEXT = 200
@@ -218,6 +218,21 @@ def steps_of(conn: psycopg.Connection[Any], schema: str, task_id: str) -> dict[s
                          for s in steps if s["state"] in ("sleeping", "waiting")), None)
     return {"task_id": task_id, "steps": steps, "messages": messages,
             "suspended": suspended_on}
+
+
+def steps_for_page(conn: psycopg.Connection[Any], schema: str,
+                   task_id: Any) -> list[dict[str, Any]]:
+    """A message's steps for the dashboard's message page (none for a message without a task
+    id, or on a schema before version 23): ``step_list``'s rows."""
+    if not isinstance(task_id, str) or not task_id:
+        return []
+    row = conn.execute("SELECT to_regclass(%s) IS NOT NULL",
+                       (f'"{schema}".pgjobs_step',)).fetchone()
+    if not row or not row[0]:
+        return []
+    cur = conn.execute(queries(schema)["step_list"], {"task_id": task_id})
+    names = [c.name for c in cur.description or ()]
+    return [dict(zip(names, r, strict=True)) for r in cur.fetchall()]
 
 
 def requeue_from_step(conn: psycopg.Connection[Any], schema: str, ids: Sequence[Any],
