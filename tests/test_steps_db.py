@@ -401,3 +401,30 @@ def test_the_metric_counts_suspended_messages_by_reason(core, db, backend, schem
     metric = next(m for m in collect(Admin(db, schema)) if m.name == "pgjobs_suspended_messages")
     assert sorted((labels["reason"], value) for labels, value in metric.samples) == [
         ("event", 2), ("sleep", 1)]
+
+
+def test_the_dashboard_message_page_shows_the_steps(core, db, backend, schema, url):
+    from starlette.testclient import TestClient
+
+    from kombu_pgjobs.dashboard import create_app
+
+    steps, d = run_of(core, db, backend)
+    steps.run("charge", lambda: {"id": "ch_1"})
+    with pytest.raises(Suspended):
+        steps.wait_for_event("order.confirmed", key=42, timeout=3600)
+    backend.publishing(lambda c: db_steps.park(c, schema, d, "order.confirmed", kind="event",
+                                               seconds=3600, event="order.confirmed",
+                                               key="42"))
+    plain = publish(core, db, "other")
+    app: Any = create_app(url, schema=schema, pool_size=1)
+    try:
+        with TestClient(app) as client:
+            page = client.get(f"/messages/{d.job_id}")
+            assert page.status_code == 200, page.text
+            assert 'id="steps"' in page.text and "<td>charge</td>" in page.text
+            assert "waiting for event <code>order.confirmed</code> key <code>42</code>" \
+                in page.text
+            other = client.get(f"/messages/{plain}")
+            assert other.status_code == 200 and 'id="steps"' not in other.text
+    finally:
+        app.state.dashboard.close()

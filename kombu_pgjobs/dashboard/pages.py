@@ -129,13 +129,21 @@ def routes(dash: Dashboard) -> list[BaseRoute]:
 
     async def message(request: Request) -> Response:
         ident = request.path_params["id"]
-        found = await dash.run(lambda admin: admin.show(ident, body=True))
+        found = await dash.run(lambda admin: _with_steps(admin, admin.show(ident, body=True)))
         return _message_page(request, found)
 
     async def dead_letter(request: Request) -> Response:
         ident = request.path_params["id"]
-        found = await dash.run(lambda admin: admin.dead_show(ident, body=True))
+        found = await dash.run(lambda admin: _with_steps(admin,
+                                                         admin.dead_show(ident, body=True)))
         return _message_page(request, found)
+
+    def _with_steps(admin: Any, found: dict[str, Any]) -> dict[str, Any]:
+        """The message and its durable steps (celery_ext.steps, issue 32), if any."""
+        from ..steps import steps_for_page
+
+        found["steps"] = steps_for_page(admin.conn, admin.schema, found.get("task_id"))
+        return found
 
     def _message_page(request: Request, found: dict[str, Any]) -> Response:
         pretty = dash.templates.filters["pretty"]
