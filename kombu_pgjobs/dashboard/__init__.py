@@ -4,9 +4,10 @@ schedules and webhooks as web pages.
 An optional part (``pip install 'kombu-pgjobs[dashboard]'``): a Starlette app with Jinja2
 templates, served by ``pgjobs dashboard`` (uvicorn) or mounted under a prefix in an existing
 ASGI app. Every page reads through :class:`kombu_pgjobs.admin.Admin` (schedules and webhooks
-through their stores), the same statements the CLI runs; the dashboard has no SQL of its own.
-It is read-only unless started with ``write=True`` and a token. Importing this package imports
-no web framework: :func:`create_app` does.
+through their stores), the same statements the CLI runs, but for the overview's page of queues
+(``overview.sql``: the CLI never pages over queues). It is read-only unless started with
+``write=True`` and a write token, and open to read unless given a read token (see
+:mod:`.security`). Importing this package imports no web framework: :func:`create_app` does.
 """
 
 from __future__ import annotations
