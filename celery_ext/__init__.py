@@ -50,6 +50,7 @@ from celery.utils.imports import symbol_by_name
 from kombu_pgjobs.errors import InvalidTaskOption
 
 from . import steps
+from .beat import default_to_leader
 from .cancel import Cancelled, cancel, cancelled, checkpoint, start_stopping
 from .deadletter import on_task_failure, on_task_rejected
 from .flower import register as register_flower
@@ -113,6 +114,7 @@ def install(app: Any) -> Any:
     signals.worker_init.connect(load_revokes, weak=False, dispatch_uid="celery_ext.revokes")
     install_scheduled()
     register_flower()
+    default_to_leader(app)  # beat: LeaderScheduler unless the app set one, on a pgjobs broker
     add_app(app)
     return app
 

@@ -4,7 +4,8 @@ Features
 ========
 * ``celery -A app beat -S celery_ext.scheduler:LeaderScheduler`` on every replica, or
   ``beat_scheduler = "celery_ext.scheduler:LeaderScheduler"`` with ``celery worker -B`` on every
-  worker: one of them leads, the others wait.
+  worker: one of them leads, the others wait. On a pgjobs broker ``celery_ext.install(app)``
+  makes it the default ``beat_scheduler`` (:mod:`celery_ext.beat`): no flag, no setting.
 * Entries: ``app.conf.beat_schedule`` (crontab, timedelta or seconds, ``celery.schedules.
   schedule``; args, kwargs, options such as queue and priority) and dynamic entries added with
   ``pgjobs schedule add`` (picked up without a restart). Solar schedules are computed with

@@ -320,6 +320,25 @@ def test_catch_up_plan_is_pure_and_bounded():
     assert plan.next_due == now + timedelta(seconds=1)
 
 
+
+@pytest.mark.parametrize("policy", ["skip", "once", "all"])
+def test_an_outage_shorter_than_the_grace_fires_every_occurrence_whatever_the_policy(policy):
+    """The grace is per occurrence (docs/scheduler.md, catch-up): a 54 s outage of an every-2 s
+    entry leaves 27 occurrences, each under 60 s old, so all 27 fire at once under any policy;
+    after a 10-minute outage the last minute's 31 (60 s old included) fire that way, and the
+    policy decides only for the 269 older ones."""
+    rec = parse_schedule("every 2s")
+    anchor = datetime(2026, 1, 1, tzinfo=UTC)
+    now = anchor + timedelta(seconds=600)
+    plan = catch_up_plan(rec, now - timedelta(seconds=54), anchor, now, policy=policy, cap=100,
+                         grace=60)
+    assert len(plan.fires) == 27 and all(f[2] == 0 for f in plan.fires)
+    plan = catch_up_plan(rec, anchor, anchor, now, policy=policy, cap=100, grace=60)
+    on_time = [f for f in plan.fires if f[0] >= now - timedelta(seconds=60)]
+    assert len(on_time) == 31
+    older = len(plan.fires) - len(on_time)
+    assert older == {"skip": 0, "once": 1, "all": 100}[policy], plan.fires[:3]  # all: the cap
+
 # -- dynamic entries -------------------------------------------------------------------------
 def test_cli_entry_fires_without_restart(db, schema, scheduler, dsn, capsys):
     s = scheduler({})
