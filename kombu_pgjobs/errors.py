@@ -540,12 +540,15 @@ __all__ += ["DashboardCsrfFailed", "DashboardExposed", "DashboardHostRefused",
 
 
 def all_error_classes() -> list[type[PgJobsError]]:
-    """Every error class, for the code-uniqueness test and the errors reference."""
+    """Every error class, for the code-uniqueness test and the errors reference. A subclass
+    that does not set a ``code`` of its own is its base's error, not another one (celery_ext's
+    ``steps.Fenced`` is ``StepFenced`` as a task body raises it), and is not listed."""
     seen: list[type[PgJobsError]] = []
     stack: list[type[PgJobsError]] = [PgJobsError]
     while stack:
         cls = stack.pop()
-        seen.append(cls)
+        if "code" in cls.__dict__:
+            seen.append(cls)
         stack.extend(cls.__subclasses__())
     return seen
 
