@@ -408,14 +408,17 @@ def test_default_options_keeper_pgj_112_stops_the_consumer(
     with kombu.Connection(bouncer.url(), transport_options=options) as conn:
         q = conn.SimpleQueue("kept")
         q.put({"i": 0})
-        held = q.get(timeout=10)  # held: the keeper renews it every half second
         backend = conn.default_channel.backend
-        _forget_prepared(bouncer)  # (its first statement may already have collided)
+        try:  # the keeper ticks as the consumer starts: its first statement may collide
+            q.get(timeout=10)
+        except PoolerUnsupported:
+            pass
+        _forget_prepared(bouncer)
         wait_for(lambda: backend.unsupported is not None, 10, what="the keeper to stop")
         _assert_pgj_112(backend.unsupported)
-        with pytest.raises(PoolerUnsupported):
-            q.get(timeout=2)
-        del held
+        for _ in range(2):  # raised at every turn
+            with pytest.raises(PoolerUnsupported):
+                q.get(timeout=2)
         q.close()
 
 
@@ -461,14 +464,18 @@ def test_default_options_event_loop_raises_pgj_112(
     try:
         loop = hub.create_loop()
         deadline = time.monotonic() + 20
-        while not got and time.monotonic() < deadline:
-            next(loop)
-        assert got == [{"i": 0}]
-        # the same claims again, now on a server connection that forgot them
-        _forget_prepared(bouncer)
-        for i in range(1, 4):
-            producer.publish({"i": i}, routing_key="looped")
         raised: BaseException | None = None
+        while not got and raised is None and time.monotonic() < deadline:
+            try:  # the keeper, which ticks as the consumer starts, may collide first
+                next(loop)
+            except PoolerUnsupported as exc:
+                raised = exc
+        if raised is None:
+            assert got == [{"i": 0}]
+            # the same claims again, now on a server connection that forgot them
+            _forget_prepared(bouncer)
+            for i in range(1, 4):
+                producer.publish({"i": i}, routing_key="looped")
         deadline = time.monotonic() + 20
         while raised is None and time.monotonic() < deadline:
             try:
@@ -484,7 +491,7 @@ def test_default_options_event_loop_raises_pgj_112(
         hub.close()
         conn.release()
         direct.release()
-    assert got == [{"i": 0}]
+    assert got in ([], [{"i": 0}])  # nothing after the error
 
 
 def test_default_options_worker_stops_with_pgj_112(
