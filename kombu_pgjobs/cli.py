@@ -670,9 +670,16 @@ def _render_text(result: Any) -> str:
 
 
 # -- parser --------------------------------------------------------------------------------
+def summary(doc: str | None) -> str:
+    """A command's line in ``pgjobs --help``: its docstring's first paragraph, whole (its first
+    line alone cut sentences such as relay's mid-way)."""
+    paragraph = (doc or "").strip().split("\n\n", 1)[0]
+    return " ".join(paragraph.split())
+
+
 def _add(sub: Any, name: str, func: Command, render: Callable[[Any], str],
          common: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    p = sub.add_parser(name, parents=[common], help=(func.__doc__ or "").splitlines()[0],
+    p = sub.add_parser(name, parents=[common], help=summary(func.__doc__),
                        description=func.__doc__)
     p.set_defaults(func=func, render=render)
     return p
