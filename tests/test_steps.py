@@ -160,6 +160,19 @@ def test_a_cancelled_run_writes_no_step_after_the_cancel(db, stepped, schema, st
     assert "pgjobs.step.refused" in w.output() and "why=cancelled" in w.output()
 
 
+
+def test_a_retry_replays_the_steps_before_the_one_that_failed(db, stepped, schema,
+                                                              start_worker):
+    """autoretry_for: step two raises, Celery publishes the retry (a new message, the same task
+    id); the retry replays step one and runs step two again. The failure is recorded."""
+    start_worker(name="rt", app=APP, concurrency=2)
+    result = stepped.retried.delay("rt")
+    wait_for(lambda: done(db, schema, "rt") == 1, 30, what="the retried task to complete")
+    assert starts(db, schema, "rt") == {"one": 1, "two": 2}
+    two = steps_of(db, schema, result.id)["two"]
+    assert (two["state"], two["attempts"]) == ("done", 2)
+
+
 # -- sleeping ----------------------------------------------------------------------------------
 def test_two_hundred_sleepers_hold_no_slot_and_wake_on_time(db, stepped, schema, start_worker):
     """200 tasks sleep 5-7 s on a prefork -c 2 worker: once they are all parked, 200 other

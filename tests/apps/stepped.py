@@ -95,6 +95,27 @@ def flaky(self: Any, label: str) -> None:
     _done(label)
 
 
+@app.task(bind=True, name="stepped.retried", autoretry_for=(RuntimeError,), max_retries=3,
+          default_retry_delay=0)
+def retried(self: Any, label: str) -> None:
+    """Step two raises on its first run; Celery's autoretry publishes the retry (a new message
+    under the same task id), which replays step one."""
+    steps = celery_ext.steps.of(self)
+    steps.run("one", body, label, "one")
+
+    def second() -> dict[str, Any]:
+        got = body(label, "two")
+        runs = common.db().execute(
+            f'SELECT count(*) FROM "{SCHEMA}".pgjobs_test_start WHERE label = %s',
+            (f"{label}:two",)).fetchone()[0]
+        if runs < 2:
+            raise RuntimeError(f"{label}: try again")
+        return got
+
+    steps.run("two", second)
+    _done(label)
+
+
 @app.task(bind=True, name="stepped.nap")
 def nap(self: Any, label: str, seconds: float, before: bool = False) -> None:
     """A durable sleep (a step before it when ``before``); records when it woke."""
