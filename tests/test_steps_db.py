@@ -428,3 +428,25 @@ def test_the_dashboard_message_page_shows_the_steps(core, db, backend, schema, u
             assert other.status_code == 200 and 'id="steps"' not in other.text
     finally:
         app.state.dashboard.close()
+
+
+def test_a_parked_message_frees_its_concurrency_slot(core, db, backend, schema):
+    """A message of a key capped at 1 sleeps: its slot is released with the park, so the next
+    message of the key is claimed meanwhile (a sleeping flow holds no limit either)."""
+    from kombu_pgjobs.core import LIMITS_HEADER, job_from_message
+
+    def message(n: int) -> dict[str, Any]:
+        return {"body": str(n), "properties": {},
+                "headers": {"task": "t", "id": f"limited-{n}",
+                            LIMITS_HEADER: {"concurrency": [{"key": "k", "limit": 1}]}}}
+
+    core.publish_many(db, [job_from_message("q", message(n)) for n in (1, 2)])
+    first = core.claim(db, ["q"], 10).claimed
+    assert len(first) == 1
+    assert core.claim(db, ["q"], 10).claimed == []  # the key is full
+    d = db_steps.Delivery(first[0].id, first[0].claim, "limited-1")
+    verdict, _ = backend.publishing(lambda c: db_steps.park(c, schema, d, "nap", kind="sleep",
+                                                            seconds=60))
+    assert verdict == "parked"
+    second = core.claim(db, ["q"], 10).claimed
+    assert [c.id for c in second] == [first[0].id + 1]
