@@ -65,6 +65,8 @@ CREATE INDEX IF NOT EXISTS pgjobs_event_emitted_idx ON {schema}.pgjobs_event (em
 
 -- Retention of steps: a dead letter celery_ext records for a failed task has an id of its own
 -- and names the message it copies in error.job_id; a task's steps stay while it is there.
+-- Built in the migration's transaction: dead-lettering waits for it (claims, publishes and
+-- acks never touch this table); only rows with error.job_id are in it.
 CREATE INDEX IF NOT EXISTS pgjobs_dead_letter_job_id_idx ON {schema}.pgjobs_dead_letter
     ((error ->> 'job_id')) WHERE error ? 'job_id';
 
