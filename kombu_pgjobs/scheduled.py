@@ -26,11 +26,6 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-import psycopg
-
-from .errors import DatabaseUnavailable
-from .events import log_event, one_line
-
 __all__ = ["LIMIT", "install", "scheduled"]
 
 #: the most delayed messages one reply lists
@@ -74,6 +69,12 @@ def scheduled(state: Any, **kwargs: Any) -> list[dict[str, Any]]:
     ours = sys.modules.get("kombu_pgjobs.transport")  # not loaded: this worker is not on pgjobs
     if ours is None or not isinstance(transport, ours.Transport) or not queues:
         return held
+    # imported here: this module is loaded into every Celery worker, on pgjobs or not
+    import psycopg
+
+    from .errors import DatabaseUnavailable
+    from .events import log_event, one_line
+
     # each database of a shard map lists its own queues' ETA rows
     shards = transport.shards
     by_backend: dict[int, tuple[Any, list[str]]] = {}
