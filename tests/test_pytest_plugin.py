@@ -174,3 +174,14 @@ def test_the_plugin_does_nothing_until_its_fixtures_are_asked_for(project: Path)
     run = _pytest(sys.executable, project, _user_env(), "-W", "error")
     assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
     assert "1 passed" in run.stdout and "warning" not in run.stdout, run.stdout[-2000:]
+
+
+def test_a_server_that_cannot_be_reached_fails_the_test_never_skips_it(project: Path) -> None:
+    (project / "test_needs_db.py").write_text(
+        "def test_needs_db(pgjobs_broker_url):\n    pass\n")
+    run = _pytest(sys.executable, project, _user_env(
+        PGJOBS_TEST_DSN="postgresql://postgres@127.0.0.1:1/nowhere?connect_timeout=3"), "-rs")
+    out = run.stdout + run.stderr
+    assert run.returncode == 1, out[-3000:]
+    assert "1 error" in out and "skipped" not in out, out[-3000:]
+    assert "cannot create a test database with $PGJOBS_TEST_DSN" in out, out[-3000:]
