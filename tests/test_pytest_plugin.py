@@ -185,3 +185,13 @@ def test_a_server_that_cannot_be_reached_fails_the_test_never_skips_it(project: 
     assert run.returncode == 1, out[-3000:]
     assert "1 error" in out and "skipped" not in out, out[-3000:]
     assert "cannot create a test database with $PGJOBS_TEST_DSN" in out, out[-3000:]
+
+
+def test_the_helpers_answer_nothing_before_anything_connected(dsn: str, project: Path) -> None:
+    """A fresh session's database has no pgjobs schema yet: 0 and [], not an error."""
+    (project / "test_empty.py").write_text(
+        "def test_empty(pgjobs_queue_depth, pgjobs_dead_letters):\n"
+        "    assert pgjobs_queue_depth() == 0 and pgjobs_queue_depth('x', 'ready') == 0\n"
+        "    assert pgjobs_dead_letters() == [] and pgjobs_dead_letters(queue='x') == []\n")
+    run = _pytest(sys.executable, project, _user_env(PGJOBS_TEST_DSN=dsn))
+    assert run.returncode == 0 and "1 passed" in run.stdout, (run.stdout + run.stderr)[-3000:]
