@@ -23,8 +23,6 @@ class WireCounter:
         self.statements = 0
         #: statement text (first line of the parsed query, or simple query) -> executions
         self.by_text: dict[str, int] = {}
-        self._names: dict[bytes, str] = {}
-        self._portals: dict[bytes, bytes] = {}
         self.lock = threading.Lock()
         self._closing = False
         self._socks: list[socket.socket] = []
@@ -56,6 +54,10 @@ class WireCounter:
         return buf
 
     def _client_to_server(self, src: socket.socket, dst: socket.socket) -> None:
+        # prepared statements and portals are the session's own: an Execute on one connection
+        # must not be read as the statement another connection bound last
+        names: dict[bytes, str] = {}
+        portals: dict[bytes, bytes] = {}
         try:
             while True:  # untyped start-up phase
                 head = self._recv_exact(src, 8)
@@ -70,30 +72,31 @@ class WireCounter:
                 (length,) = struct.unpack("!i", head[1:])
                 body = self._recv_exact(src, length - 4)
                 if kind in (b"Q", b"E", b"P", b"B"):
-                    self._note(kind, body)
+                    self._note(kind, body, names, portals)
                 dst.sendall(head + body)
         except (ConnectionError, OSError):
             pass
         finally:
             self._close(src, dst)
 
-    def _note(self, kind: bytes, body: bytes) -> None:
+    def _note(self, kind: bytes, body: bytes, names: dict[bytes, str],
+              portals: dict[bytes, bytes]) -> None:
         """Count Q and E messages; keep P (statement text) and B (portal -> statement)."""
         with self.lock:
             if kind == b"P":
                 name, _, rest = body.partition(b"\0")
-                self._names[name] = rest.split(b"\0", 1)[0][:80].decode("utf-8", "replace")
+                names[name] = rest.split(b"\0", 1)[0][:80].decode("utf-8", "replace")
                 return
             if kind == b"B":
                 portal, _, rest = body.partition(b"\0")
-                self._portals[portal] = rest.split(b"\0", 1)[0]
+                portals[portal] = rest.split(b"\0", 1)[0]
                 return
             self.statements += 1
             if kind == b"Q":
                 text = body[:80].decode("utf-8", "replace")
             else:
                 portal = body.partition(b"\0")[0]
-                text = self._names.get(self._portals.get(portal, b""), "?")
+                text = names.get(portals.get(portal, b""), "?")
             key = " ".join(text.split())[:60]
             self.by_text[key] = self.by_text.get(key, 0) + 1
 
