@@ -28,6 +28,7 @@ from urllib.parse import quote, unquote, urlsplit
 
 import psycopg
 
+from . import audit
 from .admin import DEFAULT_BATCH, DEFAULT_BULK_LIMIT, DEFAULT_PAGE, MAX_LEASES, STATES, Admin
 from .bulk import add_commands as add_bulk_commands
 from .database import connect, conninfo_from_url
@@ -36,6 +37,7 @@ from .errors import (
     InvalidArgument,
     InvalidName,
     InvalidShardMap,
+    MigrationError,
     PgJobsError,
     UsageError,
 )
@@ -665,6 +667,59 @@ def _render_prune(r: dict[str, Any]) -> str:
     return text
 
 
+def cmd_audit(args: argparse.Namespace) -> dict[str, Any]:
+    """The audit log: who changed what through this CLI or the dashboard, newest first."""
+    if not 1 <= args.limit <= audit.MAX_LIMIT:
+        raise InvalidArgument(f"--limit must be between 1 and {audit.MAX_LIMIT}, "
+                              f"got {args.limit}")
+    with _admin(args) as admin:
+        if current_version(admin.conn, admin.schema) < audit.AUDIT_VERSION:
+            raise MigrationError(f"the audit log needs schema version {audit.AUDIT_VERSION}: "
+                                 "run `pgjobs migrate`")
+        items = audit.ls(admin.conn, admin.schema, limit=args.limit, before=args.before)
+    more = len(items) == args.limit
+    return {"items": items, "next": str(items[-1]["id"]) if more and items else None}
+
+
+def _render_audit(result: dict[str, Any]) -> str:
+    rows = [{**r, "when": _ts(r["at"]), "who": f"{r['origin']}:{r['actor']}@{r['host'] or '-'}",
+             "target": json.dumps(r["target"], sort_keys=True, separators=(",", ":"))}
+            for r in result["items"]]
+    text = _table(rows, [("ID", "id"), ("WHEN", "when"), ("WHO", "who"),
+                         ("ACTION", "action"), ("ROWS", "rows"), ("TARGET", "target")])
+    if result.get("next"):
+        text += f"\nmore: --before {result['next']}"
+    return text
+
+
+#: the commands that change something: each success is recorded in pgjobs_audit (a dry run
+#: is not)
+AUDITED = ("dead requeue", "dead purge", "requeue", "cancel", "purge", "pause", "resume",
+           "prune", "bulk promote", "bulk requeue", "bulk remove", "webhooks add",
+           "webhooks rotate", "webhooks reseal", "webhooks enable", "webhooks disable",
+           "schedule add", "schedule pause", "schedule resume", "schedule remove",
+           "outbox prune")
+#: arguments that are how the CLI runs, not what a command acts on
+_NOT_TARGET = frozenset({"func", "render", "json", "schema", "audit", "shards", "command",
+                         "dead_command", "bulk_command", "outbox_command",
+                         "schedule_command", "webhooks_command"})
+
+
+def _audit(args: argparse.Namespace, result: Any) -> None:
+    """Record a write that succeeded (see :mod:`kombu_pgjobs.audit`): on a schema older than
+    the audit log, nothing."""
+    action = getattr(args, "audit", None)
+    if action is None or getattr(args, "dry_run", False):
+        return
+    user, host = audit.cli_actor()
+    target = {k: v for k, v in vars(args).items() if k not in _NOT_TARGET}
+    with connect(_dsn(args), prepare=False) as conn:
+        if current_version(conn, args.schema) < audit.AUDIT_VERSION:
+            return
+        audit.record(conn, args.schema, origin="cli", actor=user, host=host, action=action,
+                     target=target, rows=audit.rows_of(result))
+
+
 def _render_text(result: Any) -> str:
     return str(result)
 
@@ -853,6 +908,21 @@ def build_parser() -> argparse.ArgumentParser:
     register_roles(sub, common, _add)
     from .steps_cli import register as register_steps  # `steps`, --from-step (issue 32)
     register_steps(sub, common, _add, _admin)
+
+    p = _add(sub, "audit", cmd_audit, _render_audit, common)
+    p.add_argument("--limit", type=int, default=DEFAULT_PAGE,
+                   help=f"rows (default {DEFAULT_PAGE}, at most {audit.MAX_LIMIT})")
+    p.add_argument("--before", type=int, metavar="ID", help="the rows before this audit id")
+    for name in AUDITED:  # issue 34: every write is recorded in pgjobs_audit
+        _subparser(sub, name.split()).set_defaults(audit=name)
+    return parser
+
+
+def _subparser(sub: Any, path: list[str]) -> argparse.ArgumentParser:
+    parser: argparse.ArgumentParser = sub.choices[path[0]]
+    for name in path[1:]:
+        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        parser = subs[0].choices[name]
     return parser
 
 
@@ -893,6 +963,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args = _resolve(build_parser().parse_args(argv))
             as_json = args.json
             result = args.func(args)
+            _audit(args, result)
         except PgJobsError as exc:
             if as_json:
                 _emit(secrets, {"error": {"code": exc.code, "message": exc.message}},

@@ -87,6 +87,12 @@ TABLE_RIGHTS: dict[str, dict[str, tuple[str, ...]]] = {
     # runs as the owner
     "pgjobs_step": {"operator": ("SELECT", "DELETE")},
     "pgjobs_event": {"operator": ("SELECT", "DELETE"), "publisher": ("INSERT",)},
+    # the audit log (schema 24): the CLI and the dashboard (operators) append to it and read
+    # it; a worker's keeper runs the retention sweep, which deletes its old rows; nobody
+    # updates a row
+    "pgjobs_audit": {"worker": ("SELECT", "DELETE"), "operator": ("SELECT", "INSERT")},
+    # the retention sweep's turn (schema 24): a keeper takes it with a conditional UPDATE
+    "pgjobs_retention": {"worker": ("SELECT", "UPDATE")},
 }
 #: the webhook endpoints' table and its secret: no SELECT on that column but for the worker
 #: (which signs deliveries with it)

@@ -31,6 +31,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, RedirectResponse, Response
 from starlette.routing import BaseRoute, Route
 
+from .. import audit
 from ..admin import DEFAULT_BULK_LIMIT, MAX_PAGE, Admin
 from ..errors import (
     DashboardCsrfFailed,
@@ -265,8 +266,9 @@ def _purged_one(result: Any, p: Mapping[str, str]) -> Done:
                 else f"Dead letter {p['id']} was already gone")
 
 
-async def _gate(dash: Dashboard, request: Request) -> FormData:
-    """Refuse what may not run (see the module's docstring); the form of what may."""
+async def _gate(dash: Dashboard, request: Request) -> tuple[FormData, str]:
+    """Refuse what may not run (see the module's docstring); the form of what may, and how
+    the write token was shown (``bearer`` or ``session``: the audit log's actor)."""
     if not dash.guard.write:
         raise DashboardReadOnly()
     level, session = access(dash, request)
@@ -274,13 +276,27 @@ async def _gate(dash: Dashboard, request: Request) -> FormData:
         if level != "write":
             raise DashboardUnauthorized("the bearer token is the read token: actions need the "
                                         "write token; nothing was changed")
-        return await request.form()
+        return await request.form(), "bearer"
     if session is None or level != "write":
         raise DashboardUnauthorized()
     form = await request.form()
     if not dash.guard.csrf_ok(session, _field(form, "csrf")):
         raise DashboardCsrfFailed()
-    return form
+    return form, "session"
+
+
+#: the first part of an action's path -> the audit log's word for it (as the CLI's command)
+_AUDIT_NOUNS = {"queues": "", "messages": "", "dead": "dead ", "schedules": "schedule ",
+                "webhooks": "webhooks "}
+
+
+def audit_name(request: Request) -> str:
+    """An action's name in the audit log, the CLI's command of the same effect: ``pause``,
+    ``dead requeue``, ``schedule resume``, ``webhooks disable``..."""
+    route = request.scope.get("route")
+    path = str(getattr(route, "path", request.url.path))
+    parts = [p for p in path.split("/") if p]
+    return f"{_AUDIT_NOUNS.get(parts[0], parts[0] + ' ')}{parts[-1]}"
 
 
 def _field(form: FormData, name: str) -> str | None:
@@ -297,7 +313,7 @@ def action(dash: Dashboard, describe: Describe, perform: Perform,
     ``report`` says what was done, in words, on the result page."""
 
     async def handler(request: Request) -> Response:
-        form = await _gate(dash, request)
+        form, actor = await _gate(dash, request)
         fields = {k: v for k, v in form.items()
                   if isinstance(v, str) and k not in ("csrf", "confirm")}
         params = {**fields, **{k: str(v) for k, v in request.path_params.items()}}
@@ -316,7 +332,19 @@ def action(dash: Dashboard, describe: Describe, perform: Perform,
                 "what": what, "action": request.url.path, "fields": fields,
                 "preview": preview, "batch": BULK_BATCH, "back": back(params)})
         what = describe(params)
-        result = await dash.run(lambda admin: perform(admin, params))
+        name, client = audit_name(request), client_of(request)
+
+        def audited(admin: Admin) -> Any:
+            """The action and its audit row in one transaction (issue 34)."""
+            with admin.conn.transaction():
+                done = perform(admin, params)
+                if dash.has(admin, audit.AUDIT_VERSION):
+                    audit.record(admin.conn, admin.schema, origin="dashboard", actor=actor,
+                                 host=client, action=name, target=params,
+                                 rows=audit.rows_of(done))
+            return done
+
+        result = await dash.run(audited)
         log.info("pgjobs.dashboard.action %s", what,
                  extra={"action": "dashboard", "path": request.url.path})
         if wants_json(request):

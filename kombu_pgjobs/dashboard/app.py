@@ -207,12 +207,16 @@ class Dashboard:
         except psycopg.OperationalError as exc:
             raise DatabaseUnavailable(f"the database cannot be reached: {exc}") from exc
 
+    def has(self, admin: Admin, version: int) -> bool:
+        """Whether the schema is at ``version`` or later (read again only while it is not)."""
+        if self._version < version:
+            self._version = current_version(admin.conn, admin.schema)
+        return self._version >= version
+
     def need(self, admin: Admin, version: int, feature: str) -> None:
         """Refuse a feature's page on a schema older than the version that made its tables
         (503, ``PGJ-701``): the other pages keep working."""
-        if self._version < version:
-            self._version = current_version(admin.conn, admin.schema)
-        if self._version < version:
+        if not self.has(admin, version):
             raise MigrationError(f"schema {admin.schema!r} is at version {self._version}; "
                                  f"{feature} need version {version}: run `pgjobs migrate`")
 

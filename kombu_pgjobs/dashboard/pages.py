@@ -15,6 +15,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
+from .. import audit
 from ..admin import STATES, Admin
 from ..errors import NotFound
 from .actions import BULK_BATCH
@@ -199,6 +200,23 @@ def routes(dash: Dashboard) -> list[BaseRoute]:
         rows = await dash.run(lambda admin: admin.workers(leases=20))
         return dash.render(request, "workers.html", {"workers": rows})
 
+    async def audit_log(request: Request) -> Response:
+        """Who changed what, newest first (``?before=ID``: the next page)."""
+        raw = _arg(request, "before")
+        if raw is not None and not raw.isdigit():
+            raise NotFound(f"no audit page before {raw[:40]!r}")
+        before = int(raw) if raw is not None else None
+
+        def read(admin: Admin) -> list[dict[str, Any]]:
+            dash.need(admin, audit.AUDIT_VERSION, "the audit log")
+            return audit.ls(admin.conn, admin.schema, limit=PAGE, before=before)
+
+        rows = await dash.run(read)
+        for r in rows:
+            r["target_text"] = json.dumps(r["target"], sort_keys=True, separators=(", ", ": "))
+        more = rows[-1]["id"] if len(rows) == PAGE else None
+        return dash.render(request, "audit.html", {"rows": rows, "more": more})
+
     async def login(request: Request) -> Response:
         return dash.render(request, "login.html", {
             "failed": False, "next": safe_next(request.query_params.get("next"))})
@@ -214,5 +232,6 @@ def routes(dash: Dashboard) -> list[BaseRoute]:
         Route("/limits", limits, name="limits"),
         Route("/workers", workers, name="workers"),
         Route("/tenants", tenants, name="tenants"),
+        Route("/audit", audit_log, name="audit"),
         Route("/login", login, name="login"),
     ]
