@@ -27,6 +27,7 @@ from typing import Any, cast
 
 import psycopg
 
+from . import retention
 from .batching import pending
 from .core import NewJob, Pair, QueueCore
 from .database import connect
@@ -940,3 +941,4 @@ class Keeper(threading.Thread):
                 log_event("pgjobs.queue.expired", logging.INFO, queue=queue)
             elif outcome == "queue_missing" and core.redeclare(conn, queue):
                 log_event("pgjobs.queue.redeclared", queue=queue)
+        retention.on_tick(self, conn)  # the automatic retention sweep's turn (issue 34)

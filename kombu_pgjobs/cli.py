@@ -28,7 +28,7 @@ from urllib.parse import quote, unquote, urlsplit
 
 import psycopg
 
-from . import audit
+from . import audit, retention
 from .admin import DEFAULT_BATCH, DEFAULT_BULK_LIMIT, DEFAULT_PAGE, MAX_LEASES, STATES, Admin
 from .bulk import add_commands as add_bulk_commands
 from .database import connect, conninfo_from_url
@@ -652,15 +652,27 @@ def cmd_metrics(args: argparse.Namespace) -> Any:
 def cmd_prune(args: argparse.Namespace) -> dict[str, Any]:
     """Retention: delete old dead letters and roll old counter buckets up, in bounded batches."""
     with _admin(args) as admin:
-        return admin.prune(args.older_than, counters_older_than=args.counters_older_than,
-                           dry_run=args.dry_run, limit=args.limit, batch=args.batch)
+        result = admin.prune(args.older_than, counters_older_than=args.counters_older_than,
+                             dry_run=args.dry_run, limit=args.limit, batch=args.batch)
+        if args.dry_run and current_version(admin.conn, admin.schema) >= \
+                retention.RETENTION_VERSION:  # what the automatic sweep would remove next
+            result["sweep"] = retention.plan(admin.conn, admin.schema,
+                                             TransportOptions(schema=admin.schema))
+        return result
 
 
 def _render_prune(r: dict[str, Any]) -> str:
     d, c = r["dead_letters"], r["counter_buckets"]
     if r["dry_run"]:
-        return (f"would delete {d['matched']} dead letters (died before {_ts(d['cutoff'])}) and "
+        text = (f"would delete {d['matched']} dead letters (died before {_ts(d['cutoff'])}) and "
                 f"roll up {c['matched']} counter buckets (before {_ts(c['cutoff'])}) (dry run)")
+        sweep = r.get("sweep")
+        if sweep:
+            kinds = ", ".join(f"{k.replace('_', ' ')} {v['matched']}"
+                              for k, v in sweep["kinds"].items())
+            text += (f"\nthe next automatic sweep (default windows"
+                     f"{'' if sweep['enabled'] else ', off'}) would remove: {kinds}")
+        return text
     text = (f"deleted {d['deleted']} dead letters, rolled up {c['folded']} counter buckets")
     if d["remaining"] or c["remaining"]:
         text += f"; remaining {d['remaining']} dead letters, {c['remaining']} buckets: run again"

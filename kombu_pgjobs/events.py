@@ -124,6 +124,16 @@ def log_event(name: str, level: int = logging.WARNING, **fields: Any) -> None:
             " ".join(f"{k}={v}" for k, v in fields.items()),
             extra={"action": name, "code": code, **fields})
 
+# the automatic retention sweep (issue 34)
+EVENTS.update({
+    "pgjobs.retention.swept": (
+        "PGJ-223", "the automatic retention sweep ran on this process and deleted what was past "
+        "its window, rows per kind (INFO)"),
+    "pgjobs.retention.failed": (
+        "PGJ-224", "the automatic retention sweep could not run or stopped on an error: the "
+        "next turn tries again (a missing table or right: no sweep from this process)"),
+})
+
 # the outbox relay (issue 13)
 EVENTS.update({
     "pgjobs.relay.publish_failed": (

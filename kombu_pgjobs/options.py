@@ -117,6 +117,34 @@ OPTIONS: tuple[Option, ...] = (
            "Rows this process settles (acks, requeues, dead letters) between its keeper's own "
            "VACUUMs of the job table, which keep the claim index free of dead entries between "
            "autovacuum runs. 0: leave vacuuming to autovacuum."),
+    Option("retention", True, bool,
+           doc="The automatic retention sweep: one worker's keeper at a time deletes what is "
+               "past its window (the retention_* options), in bounded batches. False: none "
+               "(run `pgjobs prune` from cron instead). See docs/operations.md."),
+    Option("retention_interval", 3600.0, float, 1.0, 7 * 86400.0,
+           "Seconds between two sweeps across the fleet; a worker's first turn comes one "
+           "interval after it started. A sweep stops after half an interval."),
+    Option("retention_batch", 1000, int, 1, 100_000,
+           "Rows per batch of the sweep, each its own short transaction."),
+    Option("retention_limit", 100_000, int, 1, 100_000_000,
+           "Most rows of each kind one sweep deletes; the rest waits for the next sweep."),
+    Option("retention_dead_letters", 30 * 86400.0, float, 0.0, 36500 * 86400.0,
+           "Seconds a dead letter is kept after it died (0: for ever)."),
+    Option("retention_counters", 30 * 86400.0, float, 0.0, 36500 * 86400.0,
+           "Seconds a per-minute settle counter is kept before it is folded into its queue's "
+           "roll-up (totals never go backwards; 0: never folded)."),
+    Option("retention_outbox", 86400.0, float, 0.0, 36500 * 86400.0,
+           "Seconds an outbox row is kept after the relay published it (staged rows are "
+           "never deleted; 0: for ever)."),
+    Option("retention_webhook_attempts", 30 * 86400.0, float, 0.0, 36500 * 86400.0,
+           "Seconds a webhook ledger row is kept after its attempt finished (0: for ever)."),
+    Option("retention_schedule_history", 14 * 86400.0, float, 0.0, 36500 * 86400.0,
+           "Seconds a leader scheduler's fire is kept in its history (0: for ever)."),
+    Option("retention_steps", 14 * 86400.0, float, 0.0, 36500 * 86400.0,
+           "Seconds the durable steps of a task whose message is gone are kept after their "
+           "last write, and events after they were emitted (0: for ever)."),
+    Option("retention_audit", 90 * 86400.0, float, 0.0, 36500 * 86400.0,
+           "Seconds an audit log row is kept (0: for ever)."),
     Option("connect_timeout", 10.0, float, 0.1, 600.0, "Seconds to wait for a connection."),
     Option("lock_timeout", 10.0, float, 0.0, 86400.0,
            "Seconds a statement waits for a lock (a table someone LOCKed, a DDL in progress) "
@@ -266,6 +294,17 @@ class TransportOptions:
     max_claim: int = 100
     ack_flush_interval: float = 0.005
     vacuum_every: int = 2000
+    retention: bool = True
+    retention_interval: float = 3600.0
+    retention_batch: int = 1000
+    retention_limit: int = 100_000
+    retention_dead_letters: float = 30 * 86400.0
+    retention_counters: float = 30 * 86400.0
+    retention_outbox: float = 86400.0
+    retention_webhook_attempts: float = 30 * 86400.0
+    retention_schedule_history: float = 14 * 86400.0
+    retention_steps: float = 14 * 86400.0
+    retention_audit: float = 90 * 86400.0
     connect_timeout: float = 10.0
     lock_timeout: float = 10.0
     statement_timeout: float = 60.0
