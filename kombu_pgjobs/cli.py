@@ -725,11 +725,19 @@ def _audit(args: argparse.Namespace, result: Any) -> None:
         return
     user, host = audit.cli_actor()
     target = {k: v for k, v in vars(args).items() if k not in _NOT_TARGET}
-    with connect(_dsn(args), prepare=False) as conn:
-        if current_version(conn, args.schema) < audit.AUDIT_VERSION:
-            return
-        audit.record(conn, args.schema, origin="cli", actor=user, host=host, action=action,
-                     target=target, rows=audit.rows_of(result))
+    try:
+        with connect(_dsn(args), prepare=False) as conn:
+            if current_version(conn, args.schema) < audit.AUDIT_VERSION:
+                return
+            audit.record(conn, args.schema, origin="cli", actor=user, host=host,
+                         action=action, target=target, rows=audit.rows_of(result))
+    except psycopg.Error as exc:
+        # The change is made and committed: an error exit would have a script make it again.
+        # Said on stderr instead (a role without INSERT on pgjobs_audit: `pgjobs roles
+        # --apply` was not run again after `pgjobs migrate`).
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(f"pgjobs: warning: the change was made but not recorded in the audit log: "
+              f"{first}", file=sys.stderr)
 
 
 def _render_text(result: Any) -> str:

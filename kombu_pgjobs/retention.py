@@ -103,7 +103,7 @@ def sweep(conn: psycopg.Connection[Any], schema: str, options: TransportOptions,
     q = queries(validate_schema_name(schema))
     batch, limit = options.retention_batch, options.retention_limit
     win = windows(options)
-    now = conn.execute("SELECT now()").fetchone()[0]  # one clock for every cutoff
+    now = conn.execute(q["retention_now"]).fetchone()[0]  # one clock for every cutoff
 
     def more() -> bool:
         return (deadline is None or time.monotonic() < deadline) and not (
@@ -154,7 +154,7 @@ def plan(conn: psycopg.Connection[Any], schema: str,
 
     q = queries(validate_schema_name(schema))
     win = windows(options)
-    now = conn.execute("SELECT now()").fetchone()[0]
+    now = conn.execute(q["retention_now"]).fetchone()[0]
     cut = {kind: _cutoff(now, w) for kind, w in win.items()}
     dead, counters = conn.execute(q["admin_prune_count"], {  # -infinity: kept, none match
         "cutoff": cut["dead_letters"] or "-infinity",

@@ -24,6 +24,7 @@ from kombu_pgjobs.webhooks import WebhookStore
 from tests import test_dashboard
 from tests.test_cli import in_future, kill_dead, publish
 from tests.test_dashboard import SECRET, TOKEN, seeded, sign_in
+from tests.test_roles import roles  # noqa: F401  (the fixture)
 
 #: the dashboard tests' fixtures: a migrated schema's QueueCore, and an app maker
 core = test_dashboard.core
@@ -285,3 +286,22 @@ def test_requeue_from_step_records_the_step(core, db, schema, url, capsys):
     (row,) = rows(db, schema)
     assert row["action"] == "requeue" and row["target"]["from_step"] == "charge"
     assert row["target"]["ids"] == [str(ids["a"])]
+
+
+def test_the_operator_role_records_and_a_missing_grant_is_said_not_fatal(roles, db, capsys):  # noqa: F811
+    """As the operator's role, a CLI write records itself (INSERT on pgjobs_audit); without
+    that grant (roles not applied again after the migration) the change stands, exit 0, and
+    stderr says it was not recorded."""
+    schema = roles.schema
+    db.execute(f'INSERT INTO "{schema}".pgjobs_queue (name) VALUES (%s)', ("alpha",))
+    assert cli(["pause", "alpha", "--dsn", roles.url("op"), "--schema", schema]) == 0
+    assert [r["action"] for r in rows(db, schema)] == ["pause"]
+    db.execute(f'REVOKE INSERT ON "{schema}".pgjobs_audit FROM "{roles.groups["operator"]}"')
+    capsys.readouterr()
+    assert cli(["resume", "alpha", "--dsn", roles.url("op"), "--schema", schema]) == 0
+    err = capsys.readouterr().err
+    assert "not recorded in the audit log" in err
+    paused = db.execute(f'SELECT paused FROM "{schema}".pgjobs_queue WHERE name = %s',
+                        ("alpha",)).fetchone()[0]
+    assert paused is False
+    assert [r["action"] for r in rows(db, schema)] == ["pause"]

@@ -24,6 +24,10 @@ UPDATE {schema}.pgjobs_retention
  WHERE id = 1 AND swept_at <= now() - make_interval(secs => %(interval)s::float8)
 RETURNING swept_at;
 
+-- name: retention_now :one
+-- The database's clock, read once per sweep: every kind's cutoff is now() less its window.
+SELECT now();
+
 -- name: retention_schedule_fires :one
 -- Retention: one batch of at most %(limit)s scheduler fires recorded before %(cutoff)s, oldest
 -- first (pgjobs_schedule_fire_fired_idx). Returns the number deleted.
