@@ -305,3 +305,28 @@ def test_the_operator_role_records_and_a_missing_grant_is_said_not_fatal(roles, 
                         ("alpha",)).fetchone()[0]
     assert paused is False
     assert [r["action"] for r in rows(db, schema)] == ["pause"]
+
+
+def test_a_schema_before_the_audit_log_keeps_every_write_working(core, db, client, schema,
+                                                                  url, capsys):
+    """On schema version 23 (no pgjobs_audit): the writes work and record nothing, the audit
+    page and `pgjobs audit` say to migrate (PGJ-701); once migrated they work."""
+    from kombu_pgjobs.schema import migrate
+
+    s = seeded(core, db)
+    db.execute(f'DROP TABLE "{schema}".pgjobs_audit')
+    db.execute(f'DELETE FROM "{schema}".pgjobs_migration WHERE version = 24')
+    c = client(write=True, token=TOKEN)
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    r = c.post("/queues/alpha/pause", data={"confirm": "yes"}, headers=headers)
+    assert r.status_code == 200
+    r = c.get("/audit", headers=headers)
+    assert r.status_code == 503 and "PGJ-701" in r.text
+    assert run_cli(capsys, url, schema, "resume", "alpha")[0] == 0
+    code, out = run_cli(capsys, url, schema, "audit")
+    assert code != 0 and out["error"]["code"] == "PGJ-701"
+    assert s["dead"]
+    migrate(db, schema)
+    assert c.get("/audit", headers=headers).status_code == 200
+    assert run_cli(capsys, url, schema, "pause", "alpha")[0] == 0
+    assert [r["action"] for r in rows(db, schema)] == ["pause"]
