@@ -656,9 +656,17 @@ def cmd_prune(args: argparse.Namespace) -> dict[str, Any]:
                              dry_run=args.dry_run, limit=args.limit, batch=args.batch)
         if args.dry_run and current_version(admin.conn, admin.schema) >= \
                 retention.RETENTION_VERSION:  # what the automatic sweep would remove next
-            result["sweep"] = retention.plan(admin.conn, admin.schema,
-                                             TransportOptions(schema=admin.schema))
+            result["sweep"] = retention.plan(admin.conn, admin.schema, _sweep_options(args))
         return result
+
+
+def _sweep_options(args: argparse.Namespace) -> TransportOptions:
+    """The workers' retention windows for ``prune --dry-run``: ``--transport-options`` (the
+    app's ``broker_transport_options`` as JSON), else the defaults."""
+    from .relay_cli import _transport_options  # relay_cli imports this module
+
+    given = _transport_options(getattr(args, "transport_options", None)) or {}
+    return TransportOptions.parse({**given, "schema": args.schema}, warn=False)
 
 
 def _render_prune(r: dict[str, Any]) -> str:
@@ -670,8 +678,8 @@ def _render_prune(r: dict[str, Any]) -> str:
         if sweep:
             kinds = ", ".join(f"{k.replace('_', ' ')} {v['matched']}"
                               for k, v in sweep["kinds"].items())
-            text += (f"\nthe next automatic sweep (default windows"
-                     f"{'' if sweep['enabled'] else ', off'}) would remove: {kinds}")
+            text += (f"\nthe next automatic sweep{'' if sweep['enabled'] else ' (off)'} "
+                     f"would remove: {kinds}")
         return text
     text = (f"deleted {d['deleted']} dead letters, rolled up {c['folded']} counter buckets")
     if d["remaining"] or c["remaining"]:
@@ -713,6 +721,7 @@ AUDITED = ("dead requeue", "dead purge", "requeue", "cancel", "purge", "pause", 
            "outbox prune")
 #: arguments that are how the CLI runs, not what a command acts on
 _NOT_TARGET = frozenset({"func", "render", "json", "schema", "audit", "shards", "command",
+                         "transport_options",
                          "dead_command", "bulk_command", "outbox_command",
                          "schedule_command", "webhooks_command"})
 
@@ -915,6 +924,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="print the exact counts only")
     p.add_argument("--batch", type=int, default=DEFAULT_BATCH, help="rows per transaction")
     p.add_argument("--limit", type=int, default=100_000, help="most rows per table per call")
+    p.add_argument("--transport-options", metavar="JSON",
+                   help="with --dry-run: the workers' broker_transport_options (JSON), whose "
+                        "retention_* windows the next automatic sweep applies (default: the "
+                        "defaults)")
 
     from .webhooks_cli import register as register_webhooks  # its module imports this one
     register_webhooks(sub, common, _add)

@@ -160,6 +160,17 @@ def test_prune_dry_run_shows_what_the_next_sweep_would_remove(core, db, schema, 
     assert cli(["prune", "--older-than", "7d", "--dry-run", "--dsn", url, "--schema",
                 schema]) == 0
     assert "next automatic sweep" in capsys.readouterr().out
+    # the workers' own windows, as their broker_transport_options
+    own = json.dumps({"retention": False, "retention_dead_letters": DAY,
+                      "retention_audit": DAY})
+    assert cli(["prune", "--older-than", "7d", "--dry-run", "--transport-options", own,
+                "--dsn", url, "--schema", schema, "--json"]) == 0
+    sweep = json.loads(capsys.readouterr().out)["sweep"]
+    assert sweep["enabled"] is False
+    assert sweep["kinds"]["dead_letters"] == {"window": DAY, "matched": 2}
+    assert sweep["kinds"]["audit"] == {"window": DAY, "matched": 2}
+    assert cli(["prune", "--older-than", "7d", "--dry-run", "--transport-options",
+                '{"retention_audit": -1}', "--dsn", url, "--schema", schema]) == 2
 
 
 def test_one_process_takes_the_turn(core, db, schema, dsn):
