@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import getpass
 import json
+import re
 import socket
 from collections.abc import Callable
 from typing import Any
@@ -268,11 +269,16 @@ def test_a_refused_dashboard_action_records_nothing(core, db, client, schema):
 def test_the_audit_page_is_listed_and_paged(core, db, client, schema):
     c = client()
     assert 'href="/audit"' in c.get("/").text
-    for i in range(3):
+    for i in range(52):
         db.execute(f'INSERT INTO "{schema}".pgjobs_audit (origin, actor, host, action, target, '
-                   "rows) VALUES ('cli', 'ops', 'h', %s, '{}', 1)", (f"act{i}",))
+                   "rows) VALUES ('cli', 'ops', 'h', %s, '{}', 1)", (f"act{i:02d}",))
     page = c.get("/audit").text
-    assert page.index("act2") < page.index("act1") < page.index("act0")
+    assert page.index("act51") < page.index("act50") < page.index("act02")
+    assert "act01" not in page  # 50 a page
+    older = re.search(r'href="(/audit\?before=\d+)"', page).group(1)
+    rest = c.get(older).text
+    assert "act01" in rest and "act00" in rest and "act02" not in rest
+    assert 'href="/audit?before=' not in rest
     assert c.get("/audit?before=x").status_code == 404
 
 
