@@ -321,7 +321,11 @@ def test_fenced_ack_after_lease_lapsed_and_message_was_retaken(connect, db, sche
     [row] = _jobs(db, schema)
     assert (row["state"], row["claim"]) == ("running", 1)
 
-    # The first holder's lease lapses; the keeper's maintenance hands the message back.
+    # The first holder freezes (its keeper stops: nothing renews, and so revives, its lease)
+    # and its lease lapses; the keeper's maintenance hands the message back.
+    keeper = first_conn.default_channel.backend._keeper
+    if keeper is not None:
+        keeper.stop()
     db.execute(f'UPDATE "{schema}".pgjobs_job SET lease_expires_at = now() - interval \'1 s\' '
                'WHERE id = %s', [row["id"]])
     core = QueueCore(schema, lease_ttl=30.0, max_attempts=20)

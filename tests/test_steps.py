@@ -174,12 +174,13 @@ def test_a_retry_replays_the_steps_before_the_one_that_failed(db, stepped, schem
 
 
 # -- sleeping ----------------------------------------------------------------------------------
+@pytest.mark.exclusive  # a bound of a second on 200 wake-ups: not while other tests load the box
 def test_two_hundred_sleepers_hold_no_slot_and_wake_on_time(db, stepped, schema, start_worker):
-    """200 tasks sleep 5-7 s on a prefork -c 2 worker: once they are all parked, 200 other
+    """200 tasks sleep 12-14 s on a prefork -c 2 worker: once they are all parked, 200 other
     tasks run at once (no slot is held, nothing is prefetched), and every sleeper resumes
     within a second of its due time (both read on the database's clock)."""
     start_worker(name="n1", app=APP, pool="prefork", concurrency=2)
-    sleepers = [stepped.nap.delay(f"nap{i}", 5 + (i % 100) * 0.02) for i in range(200)]
+    sleepers = [stepped.nap.delay(f"nap{i}", 12 + (i % 100) * 0.02) for i in range(200)]
     parked = f'SELECT count(*) FROM "{schema}".pgjobs_step WHERE state = \'sleeping\''
     wait_for(lambda: count(db, parked) == 200, 60, interval=0.1, what="200 sleepers parked")
     # parked: ready, out of the claim index until due, their delivery given back (uncounted)

@@ -22,6 +22,9 @@ def _dead(db: psycopg.Connection[Any], schema: str) -> int:
 # exclusive (tests/conftest.py): VACUUM removes the dead rows only when no other transaction in
 # the database holds an older snapshot, and other tests keep transactions open
 @pytest.mark.exclusive
+# exclusive (tests/conftest.py): VACUUM removes dead rows only if no other session of the
+# database holds an older snapshot, which a concurrent test may (a transaction held open)
+@pytest.mark.exclusive
 def test_keeper_vacuums_when_autovacuum_is_off(db, schema):
     migrate(db, schema)
     core = QueueCore(schema, lease_ttl=30, max_attempts=5)
