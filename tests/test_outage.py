@@ -21,8 +21,9 @@ from kombu_pgjobs.core import QueueCore
 from tests.conftest import import_app, wait_for
 from tests.pgserver import PrivateServer, require_bindir
 
-# exclusive (tests/conftest.py): timing bounds of a few seconds around a lease of 6 s
-pytestmark = [pytest.mark.e2e, pytest.mark.exclusive]
+pytestmark = pytest.mark.e2e
+#: exclusive (tests/conftest.py): timing bounds of a few seconds around a lease of 6 s
+exclusive = pytest.mark.exclusive
 
 LEASE = 6.0  # the workers' lease_ttl: a keeper tick every 2 s
 
@@ -59,6 +60,7 @@ def _env(server: PrivateServer, **extra: str) -> dict[str, str]:
 
 
 @pytest.mark.slow
+@exclusive
 @pytest.mark.parametrize("pool", ["prefork", "threads"])
 def test_a_server_stopped_for_longer_than_the_lease_reruns_nothing(
         server, dsn, schema, recorder_tables, start_worker, pool):
@@ -97,7 +99,7 @@ def test_a_server_stopped_for_longer_than_the_lease_reruns_nothing(
         assert "pgjobs.lease.rescued" not in out and "PGJ-204" not in out, out[-3000:]
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # its own server, and bounds of seconds around a 40 s stop: not exclusive
 def test_remote_control_answers_from_both_workers_after_a_40s_stop(
         server, schema, recorder_tables, start_worker):
     """Two workers, the broker's server stopped 40 s (many leases, and four times the pidbox
@@ -193,6 +195,7 @@ def test_the_fence_rewrites_no_row_and_runs_under_a_short_timeout(server, schema
     assert _settle(server.dsn, schema, running, "ack") == {running[0]}
 
 
+@exclusive  # a lease of 3 s on the shared server: the keeper's tick within seconds
 def test_a_consumed_queue_found_dropped_is_declared_again_with_its_bindings(
         url, dsn, schema, recorder_tables, start_worker):
     """A worker's pidbox queue and its binding are dropped under it (an operator, or a keeper
