@@ -176,7 +176,9 @@ def test_reject_requeue_redelivers_with_higher_claim(connect, db, schema):
             [row] = _jobs(db, schema)
             assert (row["state"], row["claim"]) == ("ready", 1)
 
-            second = queue.get_nowait()
+            # (a claim skips a row another session holds locked for a moment, SKIP LOCKED: seen
+            # once in CI under load; the message is waited for, not required at the first look)
+            second = queue.get(timeout=5)
             assert second.delivery_info.get("redelivered") is True
             assert second.payload == {"x": 1}
             [again] = _jobs(db, schema)
