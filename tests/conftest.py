@@ -186,6 +186,28 @@ def import_app(module: str, schema: str, url: str, **env: str) -> Any:
         os.environ.update(saved)
 
 
+@pytest.fixture
+def parity(db: psycopg.Connection[Any], recorder_tables: str, url: str) -> Any:
+    """tests/apps/parity.py (celery_ext, a database result backend) for this test's schema,
+    with the table its on_settled receiver writes to."""
+    db.execute(f'CREATE TABLE "{recorder_tables}".pgjobs_test_settled (task text, outcome text, '
+               "task_id text, attempts int, at timestamptz DEFAULT clock_timestamp())")
+    return import_app("tests.apps.parity", recorder_tables, url)
+
+
+@pytest.fixture
+def private_server() -> Iterator[Any]:
+    """A private server the test stops, restarts or restores (tests/pgserver.py; it FAILS
+    under CI=true when the server binaries are missing), removed afterwards."""
+    from tests.pgserver import PrivateServer, require_bindir
+
+    s = PrivateServer(require_bindir())
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
 #: the second database of shard-map tests (created on the test server when absent)
 SECOND_DATABASE = "pgjobs_test_shard2"
 

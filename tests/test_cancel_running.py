@@ -16,18 +16,11 @@ import pytest
 import celery_ext
 from kombu_pgjobs.cli import main as cli
 
-from .conftest import import_app, wait_for
+from .conftest import wait_for
 
 pytestmark = pytest.mark.e2e
 
 APP = "tests.apps.parity"
-
-
-@pytest.fixture
-def parity(db: psycopg.Connection[Any], recorder_tables: str, url: str) -> Any:
-    db.execute(f'CREATE TABLE "{recorder_tables}".pgjobs_test_settled (task text, outcome text, '
-               "task_id text, attempts int, at timestamptz DEFAULT clock_timestamp())")
-    return import_app(APP, recorder_tables, url)
 
 
 def _count(db: psycopg.Connection[Any], query: str, *args: Any) -> Any:

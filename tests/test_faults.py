@@ -9,7 +9,6 @@ start exactly once.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import psycopg
@@ -17,7 +16,7 @@ import pytest
 from kombu import Connection
 
 from tests.conftest import wait_for
-from tests.pgserver import PrivateServer, require_bindir
+from tests.pgserver import PrivateServer
 
 # exclusive (tests/conftest.py): restarts its server and terminates every backend on it (a
 # private server, but whole-server faults under workers with timing bounds)
@@ -25,12 +24,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.exclusive]
 
 
 @pytest.fixture
-def server() -> Iterator[PrivateServer]:
-    s = PrivateServer(require_bindir())
-    try:
-        yield s
-    finally:
-        s.stop()
+def server(private_server: PrivateServer) -> PrivateServer:
+    return private_server
 
 
 def _tables(server: PrivateServer, schema: str) -> None:

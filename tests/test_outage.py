@@ -10,7 +10,6 @@ both databases: starts and completions per label, rows left in the job table.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import psycopg
@@ -19,7 +18,7 @@ from kombu import Connection
 
 from kombu_pgjobs.core import QueueCore
 from tests.conftest import import_app, wait_for
-from tests.pgserver import PrivateServer, require_bindir
+from tests.pgserver import PrivateServer
 
 pytestmark = pytest.mark.e2e
 #: exclusive (tests/conftest.py): timing bounds of a few seconds around a lease of 6 s
@@ -29,12 +28,8 @@ LEASE = 6.0  # the workers' lease_ttl: a keeper tick every 2 s
 
 
 @pytest.fixture
-def server() -> Iterator[PrivateServer]:
-    s = PrivateServer(require_bindir())
-    try:
-        yield s
-    finally:
-        s.stop()
+def server(private_server: PrivateServer) -> PrivateServer:
+    return private_server
 
 
 def _one(dsn: str, query: str) -> Any:
