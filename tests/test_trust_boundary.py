@@ -458,3 +458,42 @@ def test_a_hand_off_whose_consumer_backend_is_terminated_runs_once(
         assert [b["n"] for b, _ in consumer.got] == list(range(5))
         assert consumer.error is None
     assert db.execute(f'SELECT count(*) FROM "{schema}".pgjobs_dead_letter').fetchone()[0] == 0
+
+
+def test_an_outsiders_cancel_announcements_cancel_nothing_and_cost_a_renewal_a_second(
+        outsider: str, url: str, schema: str, db: psycopg.Connection[Any]) -> None:
+    """The wake-up a cancel sends on the schema's channel (issue 30) names nothing and carries
+    no authority: a role with CONNECT only that floods it makes the holder's keeper renew at
+    most once a second, and cancels, ends or settles nothing; the held message is acked as
+    usual afterwards."""
+    with kombu.Connection(url, transport_options={"schema": schema}) as conn:
+        q = conn.SimpleQueue("held")
+        q.put({"n": 1})
+        held = q.get(timeout=10)
+        backend = conn.default_channel.backend
+        renewals: list[float] = []
+        renew = backend.core.renew
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            renewals.append(time.monotonic())
+            return renew(*args, **kwargs)
+
+        backend.core.renew = counted  # type: ignore[method-assign]
+        started = time.monotonic()
+        with psycopg.connect(outsider, autocommit=True) as evil:
+            while time.monotonic() - started < 3.0:
+                evil.execute("SELECT pg_notify(%s, %s)", [f"pgjobs.{schema}", "\x1dcancel"])
+                try:
+                    conn.drain_events(timeout=0.02)
+                except TimeoutError:
+                    pass
+        took = time.monotonic() - started
+        # heard (the keeper's own tick is 10 s away), and one a second at the most
+        assert 2 <= len(renewals) <= took + 2, renewals
+        assert not backend.cancelled
+        row = db.execute(f'SELECT state, cancelled_at FROM "{schema}".pgjobs_job').fetchone()
+        assert row == ("running", None)
+        held.ack()
+        q.close()
+    assert db.execute(f'SELECT count(*) FROM "{schema}".pgjobs_job').fetchone()[0] == 0
+    assert db.execute(f'SELECT count(*) FROM "{schema}".pgjobs_dead_letter').fetchone()[0] == 0
