@@ -46,6 +46,25 @@ ENV_DSN = "PGJOBS_TEST_DSN"
 STATES = ("ready", "delayed", "running", "waiting")
 
 
+#: the packages of this distribution: libraries, not tests (pytest marks a plugin's packages)
+_LIBRARY_PACKAGES = ("kombu_pgjobs", "celery_ext")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config: pytest.Config) -> None:
+    """Keep pytest's assertion rewriter off this distribution's library code.
+
+    pytest marks every package of a ``pytest11`` plugin's distribution for assertion
+    rewriting, so each module of ``kombu_pgjobs`` and ``celery_ext`` a test imports would be
+    parsed and recompiled through the ``ast`` module. They hold no test asserts, and CPython
+    3.11.7's AST converter fails intermittently there (``SystemError: AST constructor recursion
+    depth mismatch``, CPython gh-106905) when a worker thread imports beside the test.
+    Rewriting this plugin module itself (already imported) is unaffected."""
+    must = getattr(getattr(config.pluginmanager, "rewrite_hook", None), "_must_rewrite", None)
+    if isinstance(must, set):
+        must.difference_update(_LIBRARY_PACKAGES)
+
+
 class ThrowawayDatabase:
     """A database made for one test session on a server the test names (or the embedded one),
     dropped at the end: tests never see another session's messages, nor leave theirs."""

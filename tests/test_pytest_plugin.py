@@ -140,6 +140,13 @@ def test_the_docs_project_on_PGJOBS_TEST_DSN_one_database_per_xdist_worker(
         "import os\nimport pytest\n\n\n@pytest.mark.parametrize('n', range(6))\n"
         "def test_where(n, pgjobs_broker_url, pgjobs_queue_depth):\n"
         "    assert pgjobs_queue_depth('nowhere') == 0\n"
+        "    # library modules load as plain source, never through the assertion rewriter\n"
+        "    import sys\n"
+        "    loaders = {type(sys.modules[m].__loader__).__name__ for m in sys.modules\n"
+        "               if m.startswith(('kombu_pgjobs.', 'celery_ext'))\n"
+        "               and m != 'kombu_pgjobs.pytest'}\n"
+        "    assert 'kombu_pgjobs.admin' in sys.modules\n"
+        "    assert loaders == {'SourceFileLoader'}, loaders\n"
         f"    (__import__('pathlib').Path({str(seen)!r}) / f'{{n}}').write_text(\n"
         "        os.environ['PYTEST_XDIST_WORKER'] + ' ' + pgjobs_broker_url)\n")
     before = _databases(dsn)
