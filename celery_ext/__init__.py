@@ -54,6 +54,7 @@ from .beat import default_to_leader
 from .cancel import Cancelled, cancel, cancelled, checkpoint, start_stopping
 from .deadletter import on_task_failure, on_task_rejected
 from .flower import register as register_flower
+from .groups import install_groups
 from .idempotency import max_queued
 from .limits import check_app_limits
 from .outbox import OutboxRelay, transaction
@@ -114,6 +115,7 @@ def install(app: Any) -> Any:
     signals.worker_init.connect(load_revokes, weak=False, dispatch_uid="celery_ext.revokes")
     install_scheduled()
     register_flower()
+    install_groups()  # a group or chord: one batch, one INSERT (groups.py)
     default_to_leader(app)  # beat: LeaderScheduler unless the app set one, on a pgjobs broker
     add_app(app)
     return app

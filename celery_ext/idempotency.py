@@ -42,6 +42,7 @@ from kombu_pgjobs.core import IDEMPOTENCY_HEADER, MAX_QUEUED_HEADER
 from kombu_pgjobs.errors import InvalidIdempotencyKey
 from kombu_pgjobs.limits import check_cap, check_key
 
+from .groups import once_per_group
 from .limits import TENANT_HEADER
 from .state import UNSET, declared_option
 
@@ -113,7 +114,7 @@ def with_guards(task: Any, args: Any, kwargs: Any, options: dict[str, Any],
     current = headers or {}
     key = _key(task, args, kwargs, given, current)
     retry = _RETRYING.get()
-    cap = None if retry else max_queued(task.app.conf)
+    cap = None if retry else once_per_group(task.app.conf, max_queued)
     capped = cap is not None and current.get(TENANT_HEADER) is not None
     stale = retry and MAX_QUEUED_HEADER in current  # a retry's copy of its message's headers
     if key is None and not capped and not stale:

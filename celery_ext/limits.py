@@ -43,6 +43,8 @@ from typing import Any
 from kombu_pgjobs.errors import InvalidLimit, InvalidLimitKey
 from kombu_pgjobs.limits import LIMITS_HEADER, WHEN_BUSY, check_cap, check_key, tighten
 
+from .groups import once_per_group
+
 __all__ = [
     "TENANT_HEADER",
     "AppLimits",
@@ -159,7 +161,7 @@ def limits_header(task: Any, args: Any, kwargs: Any, options: Mapping[str, Any],
     cap = getattr(task, "concurrency", None)
     if cap is not None:
         caps.append({"key": f"task:{task.name}", "limit": int(cap), "when_busy": busy})
-    app = check_app_limits(task.app.conf)
+    app = once_per_group(task.app.conf, check_app_limits)  # a group reads them once
     rates: list[dict[str, Any]] = []
     if app.queues:
         queue = _queue_of(task, args, kwargs, options)

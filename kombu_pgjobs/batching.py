@@ -3,7 +3,9 @@
 Inside ``with kombu_pgjobs.batch():`` every message this thread publishes through pgjobs (kombu
 ``Producer.publish``, Celery ``delay``/``apply_async``, ``group(...).apply_async()``) is held and
 inserted in one statement per database when the block exits — durable when the block returns.
-If the block raises, nothing is published. Fanout publishes (remote control) are not batched.
+If the block raises, nothing is published. A block nested in another joins it (the outer one
+inserts); a nested block that raises takes back what it held, the outer one's stays. Fanout
+publishes (remote control) are not batched.
 
 Messages with an idempotency key are answered per message: ``with batch() as b:`` gives a
 :class:`Batch` whose :attr:`Batch.duplicates` maps, once the block has exited, the task id of
@@ -54,8 +56,18 @@ class Batch:
 def batch() -> Iterator[Batch]:
     result = Batch()
     outer: Batch | None = getattr(_local, "result", None)
-    if getattr(_local, "held", None) is not None:  # nested: the outer block publishes
-        yield outer if outer is not None else result
+    held: dict[Any, list[NewJob]] | None = getattr(_local, "held", None)
+    if held is not None:  # nested: the outer block publishes
+        marks = {backend: len(jobs) for backend, jobs in held.items()}
+        try:
+            yield outer if outer is not None else result
+        except BaseException:
+            # A nested block that raises takes its own messages back, so an outer block that
+            # catches the error and goes on publishes none of them (a batched group stays
+            # all or none inside an outer batch too).
+            for backend, jobs in held.items():
+                del jobs[marks.get(backend, 0):]
+            raise
         return
     _local.held = {}
     _local.result = result
