@@ -26,6 +26,7 @@ from kombu.serialization import dumps
 
 from kombu_pgjobs.admin import record_dead_letter
 from kombu_pgjobs.backend import Backend
+from kombu_pgjobs.history import record_outcome
 from kombu_pgjobs.transport import Transport as PgJobsTransport
 from kombu_pgjobs.transport import parse_shard_tag
 
@@ -151,7 +152,7 @@ def on_task_failure(sender: Any = None, exception: BaseException | None = None,
     failure is still in Celery's result backend."""
     task = sender
     app = getattr(task, "app", None)
-    if app is None or not installed(app) or not getattr(task, "dead_letter", True):
+    if app is None or not installed(app):
         return
     if exception is None or isinstance(exception, (Reject, Ignore, Retry)):
         return
@@ -170,6 +171,13 @@ def on_task_failure(sender: Any = None, exception: BaseException | None = None,
         pair = found[:2] if found else None
         info = request.delivery_info or {}
         queue = info.get("routing_key") or task.queue or app.conf.task_default_queue
+        if not getattr(task, "dead_letter", True):
+            # nothing kept: the settle is 'dropped' (its ack records it, or amends an early
+            # ack's history row)
+            backend.publishing(lambda conn: record_outcome(
+                conn, backend.options.schema, job=pair, outcome="dropped", queue=queue,
+                shard=backend.worker))
+            return
         error = _error(task, request, exception, einfo)
         try:
             message: dict[str, Any] = rebuild_message(task, request)

@@ -35,6 +35,7 @@ whose class is not celery_ext's (``celery_ext.install(app)``, or ``base=celery_e
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Any
 
@@ -48,6 +49,8 @@ from kombu_pgjobs.core import TENANT_HEADER
 from kombu_pgjobs.transport import parse_shard_tag
 
 __all__ = ["OutcomeRequest", "on_settled", "start_telling"]
+
+log = logging.getLogger(__name__)
 
 on_settled = Signal(
     name="on_settled",
@@ -148,7 +151,36 @@ class OutcomeRequest(Request):
 
     def on_retry(self, exc_info: Any) -> Any:
         _ran(self._delivery, "retried")
+        self._tell_transport("requeued")
         return super().on_retry(exc_info)
+
+    def _tell_transport(self, outcome: str) -> None:
+        """Tell the message's backend how this run ended, for its counters and history
+        (kombu_pgjobs.history): with acks_late the ack that follows carries the word; an early
+        ack already landed (counted ``completed`` when the run started), so its history row is
+        amended (one statement). Never raises."""
+        from kombu_pgjobs.history import record_outcome
+
+        from .deadletter import _backend
+
+        found = parse_shard_tag(getattr(self.message, "delivery_tag", None))
+        if found is None:
+            return
+        try:
+            backend = _backend(self.task.app, found[2])
+            if backend is None:
+                return
+            if self.task.acks_late:
+                backend.note_outcome(found[:2], outcome)
+            else:
+                info = self.delivery_info or {}
+                queue = info.get("routing_key") or self.task.queue or \
+                    self.task.app.conf.task_default_queue
+                backend.publishing(lambda conn: record_outcome(
+                    conn, backend.options.schema, job=found[:2], outcome=outcome,
+                    queue=queue, shard=backend.worker))
+        except Exception:  # the task's own outcome stands; only the record is off
+            log.exception("celery_ext.outcome.not_told id=%s", self.id)
 
     def on_failure(self, exc_info: Any, send_failed_event: bool = True,
                    return_ok: bool = False) -> Any:

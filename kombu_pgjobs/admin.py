@@ -33,6 +33,7 @@ from .errors import (
     UnknownState,
     UsageError,
 )
+from .history import outcome_word, record_outcome
 from .options import validate_queue_name, validate_schema_name
 from .schema import current_version
 from .sql import queries
@@ -239,7 +240,9 @@ def record_dead_letter(conn: psycopg.Connection[Any], schema: str, *, queue: str
     sequence, never a second row with the live id (which the transport's own dead-lettering
     would collide with). ``job`` is the delivery's ``(id, claim)``: when the row is still held
     its exact message and attempt count are copied; otherwise ``message`` (rebuilt by the
-    caller) is stored.
+    caller) is stored. The outcome ``failed`` is told next (:func:`history.record_outcome
+    <kombu_pgjobs.history.record_outcome>`): the held row's ack counts and records it, or an
+    early ack's history row is amended.
     """
     validate_schema_name(schema)
     validate_queue_name(queue)
@@ -250,9 +253,10 @@ def record_dead_letter(conn: psycopg.Connection[Any], schema: str, *, queue: str
         "queue": queue, "priority": priority, "task": task, "attempts": attempts,
         "max_attempts": max_attempts, "reason": reason,
         "error": Jsonb(_printable(error)) if error is not None else None, "message": text,
-        "shard": shard or f"celery_ext:{socket.gethostname()}:{os.getpid()}",
     }).fetchone()
     assert row is not None
+    record_outcome(conn, schema, job=job, outcome="failed", queue=queue,
+                   shard=shard or f"celery_ext:{socket.gethostname()}:{os.getpid()}")
     return int(row[0])
 
 
@@ -364,9 +368,11 @@ class Admin:
                 self.require_queue(queue)
             rows = self._dicts("admin_queue_stats", {"queue": queue, "minutes": int(minutes)})
         for r in rows:
-            settled = {k: int(v) for k, v in (r.pop("settled") or {}).items()}
+            settled: dict[str, int] = {}
+            for k, v in (r.pop("settled") or {}).items():
+                settled[outcome_word(k)] = settled.get(outcome_word(k), 0) + int(v)
             r["settled"] = settled
-            r["acked_per_minute"] = round(settled.get("acked", 0) / minutes, 3)
+            r["completed_per_minute"] = round(settled.get("completed", 0) / minutes, 3)
             r["minutes"] = int(minutes)
         return rows
 
@@ -453,7 +459,11 @@ class Admin:
         return self._dicts("admin_workers", {"leases": int(leases)})
 
     def counter_totals(self) -> list[dict[str, Any]]:
-        return self._dicts("admin_counter_totals", {})
+        totals: dict[tuple[str, str], int] = {}
+        for r in self._dicts("admin_counter_totals", {}):
+            key = (r["queue"], outcome_word(r["outcome"]))
+            totals[key] = totals.get(key, 0) + int(r["n"])
+        return [{"queue": q, "outcome": o, "n": n} for (q, o), n in totals.items()]
 
     def tenant_stats(self, top: int) -> list[dict[str, Any]]:
         """The ``top`` tenants with the most live messages, by state; each row also says how
@@ -484,7 +494,8 @@ class Admin:
             raise InvalidArgument(f"minutes must be between 1 and 1440, got {minutes}")
         out: dict[str, dict[str, list[int]]] = {}
         for r in self._dicts("admin_counter_series", {"minutes": int(minutes)}):
-            series = out.setdefault(r["queue"], {}).setdefault(r["outcome"], [0] * minutes)
+            series = out.setdefault(r["queue"], {}).setdefault(outcome_word(r["outcome"]),
+                                                              [0] * minutes)
             if 0 <= r["ago"] < minutes:
                 series[minutes - 1 - r["ago"]] += int(r["n"])
         return out

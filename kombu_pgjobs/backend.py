@@ -27,7 +27,7 @@ from typing import Any, cast
 
 import psycopg
 
-from . import retention
+from . import history, retention
 from .batching import pending
 from .core import NewJob, Pair, QueueCore
 from .database import connect
@@ -206,7 +206,7 @@ class Backend:
         self.worker = identity()
         self.core = QueueCore(options.schema, lease_ttl=options.lease_ttl,
                               max_attempts=options.max_attempts, worker=self.worker,
-                              hand_off=options.hand_off)
+                              hand_off=options.hand_off, history=options.history)
         self._migrated = False
         self._migrate_lock = threading.Lock()
         self._publish_conn: psycopg.Connection[Any] | None = None
@@ -228,6 +228,9 @@ class Backend:
         self.cancelled: set[Pair] = set()
         # deliveries whose message was settled another way (release()): their ack is dropped
         self._released: set[Pair] = set()
+        #: when (monotonic) a settle of this process last landed: the history rollup's turn is
+        #: asked for only for a while after one (kombu_pgjobs.history.on_tick)
+        self.last_settled_at: float | None = None
         # acks taken from the buffer and not yet settled (their rows may already be gone)
         self._settling: set[int] = set()
         self._held_lock = threading.Lock()
@@ -610,9 +613,18 @@ class Backend:
             keeper.renew_wanted.set()
             keeper.ack_event.set()
 
+    def note_outcome(self, pair: Pair, outcome: str) -> None:
+        """The run of held delivery ``pair`` ended as ``outcome`` (``failed``, ``dropped`` or
+        ``requeued``: celery_ext, for a Celery retry): its ack counts and records that word
+        in the counters and the history instead of ``completed`` (no round trip: it goes with
+        the ack)."""
+        self.core.note_outcome(pair, outcome)
+
     def settled(self, sent: list[Pair], hit: set[int], action: str) -> None:
         """Forget settled leases; log fenced misses (never raise at Celery)."""
         self.forget(sent)
+        if hit:
+            self.last_settled_at = time.monotonic()
         with self._acks_lock:
             self._settling.difference_update(i for i, _ in sent)
             self._churn += len(hit)
@@ -942,3 +954,4 @@ class Keeper(threading.Thread):
             elif outcome == "queue_missing" and core.redeclare(conn, queue):
                 log_event("pgjobs.queue.redeclared", queue=queue)
         retention.on_tick(self, conn)  # the automatic retention sweep's turn (issue 34)
+        history.on_tick(self, conn)  # the history rollup's turn, after settles (issue 34)

@@ -325,7 +325,7 @@ def _render_queues(result: dict[str, Any]) -> str:
         ("QUEUE", "queue"), ("READY", "ready"), ("DELAYED", "delayed"),
         ("RUNNING", "running"), ("WAITING", "waiting"), ("DEAD", "dead"),
         ("PAUSED", "paused"),
-        ("OLDEST READY", "oldest"), ("ACKED/MIN", "acked_per_minute"),
+        ("OLDEST READY", "oldest"), ("COMPLETED/MIN", "completed_per_minute"),
         (f"SETTLED (last {result['minutes']}m)", "settled")]))
 
 
@@ -941,6 +941,9 @@ def build_parser() -> argparse.ArgumentParser:
     register_roles(sub, common, _add)
     from .steps_cli import register as register_steps  # `steps`, --from-step (issue 32)
     register_steps(sub, common, _add, _admin)
+
+    from .history_cli import register as register_history  # `history`, `stats` (issue 34)
+    register_history(sub, common, _add, _admin)
 
     p = _add(sub, "audit", cmd_audit, _render_audit, common)
     p.add_argument("--limit", type=int, default=DEFAULT_PAGE,

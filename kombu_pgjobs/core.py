@@ -29,6 +29,7 @@ from psycopg.types.json import Jsonb
 
 from .database import RawTimeoutTranslatingCursor
 from .errors import (
+    InvalidArgument,
     InvalidIdempotencyKey,
     InvalidTenant,
     MessageError,
@@ -445,7 +446,7 @@ class QueueCore:
     """Statements on the job tables of one schema."""
 
     def __init__(self, schema: str, *, lease_ttl: float, max_attempts: int,
-                 worker: str = "", hand_off: bool = True) -> None:
+                 worker: str = "", hand_off: bool = True, history: bool = True) -> None:
         self.schema = validate_schema_name(schema)
         #: this process (host:pid): the lease holder's name and its counter shard
         self.worker = worker or f"{socket.gethostname()}:{os.getpid()}"
@@ -456,6 +457,11 @@ class QueueCore:
         self.bound: dict[str, set[tuple[str, str, str, str]]] = {}
         #: registrations ask for the message a publish wakes them for (0018_hand_off.sql)
         self.hand_off = hand_off
+        #: settles record their deliveries in pgjobs_history (0025_history.sql)
+        self.history = history
+        #: held delivery -> how its run ended, noted before its ack (note_outcome): sent with
+        #: the ack, which counts and records that word instead of 'completed'
+        self._hints: dict[Pair, str] = {}
         self.max_attempts = max_attempts
         self.channel = f"pgjobs.{schema}"
         self.q = queries(schema)
@@ -634,11 +640,15 @@ class QueueCore:
         :meth:`claim_result`."""
         ack_ids, ack_claims = _pairs(acks)
         wait = wait or WaitPlan(None)
+        hints = [(p, self._hints.pop(p)) for p in acks if p in self._hints] \
+            if self._hints else []
         return with_limit(self.schema, "job_claim", n), {
             "ack_ids": ack_ids, "ack_claims": ack_claims, "queues": list(queues), "n": n,
+            "hint_ids": [p[0] for p, _ in hints], "hint_words": [w for _, w in hints],
             "ttl": self.lease_ttl, "worker": self.worker, "channel": self.channel,
             "hand_off": self.hand_off, "waiter": wait.waiter, "register": list(wait.register),
             "barrier": list(wait.barrier), "schema_name": self.schema,
+            "history": self.history,
         }
 
     def claim_wire(self, queues: Sequence[str], n: int, acks: Sequence[Pair] = (),
@@ -650,6 +660,17 @@ class QueueCore:
         _, params = self.claim_statement(queues, n, acks, wait)
         query, keys = positional(self.schema, "job_claim", n)
         return query, text_params([params[k] for k in keys])
+
+    def note_outcome(self, pair: Pair, outcome: str) -> None:
+        """The run of held delivery ``pair`` ended as ``outcome`` (``failed``, ``dropped`` or
+        ``requeued``): its ack, when it is sent, counts and records that word instead of
+        ``completed``. At most 100,000 are kept (an ack that never comes: the oldest go)."""
+        if outcome not in ("failed", "dropped", "requeued"):
+            raise InvalidArgument(f"an ack's outcome is failed, dropped or requeued, "
+                                  f"not {outcome!r}")
+        if len(self._hints) >= 100_000:
+            self._hints.pop(next(iter(self._hints)), None)
+        self._hints[pair] = outcome
 
     def hold_waiter(self, conn: psycopg.Connection, waiter: int) -> None:
         """Take wake id ``waiter``'s lock for the life of ``conn`` (its registrations are
@@ -768,9 +789,10 @@ class QueueCore:
         rows = conn.execute(self.q["job_requeue"], {
             "ids": ids, "claims": claims, "uncount": uncount, "channel": self.channel,
             "max_attempts": self.max_attempts, "worker": self.worker,
+            "history": self.history,
         }).fetchall()
         for job_id, outcome, _ in rows:
-            if outcome == "dead":
+            if outcome == "failed":
                 log_event("pgjobs.claim.buried", job_id=job_id, reason="max_attempts")
         return {r[0] for r in rows}
 
@@ -780,7 +802,7 @@ class QueueCore:
         ids, claims = _pairs(pairs)
         return {r[0] for r in conn.execute(self.q["job_bury"], {
             "ids": ids, "claims": claims, "reason": reason, "worker": self.worker,
-            "channel": self.channel,
+            "channel": self.channel, "history": self.history,
             "error": Jsonb(dict(error)) if error else None,
         }).fetchall()}
 
@@ -809,7 +831,7 @@ class QueueCore:
                 "limit": limit, "max_attempts": self.max_attempts, "channel": self.channel,
                 "consumed": list(consumed), "grace": grace, "worker": self.worker,
                 "held": held, "vacuum_after": vacuum_after, "fleet": fleet,
-                "ttl": self.lease_ttl,
+                "ttl": self.lease_ttl, "history": self.history,
             }).fetchall()
         return [(r[0], r[1], r[2]) for r in rows]
 

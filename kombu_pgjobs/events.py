@@ -134,6 +134,16 @@ EVENTS.update({
         "next turn tries again (a missing table or right: no sweep from this process)"),
 })
 
+# history rollups (issue 34)
+EVENTS.update({
+    "pgjobs.history.rolled_up": (
+        "PGJ-225", "this process took the history rollup's turn and rolled up closed minutes "
+        "into pgjobs_task_minute (DEBUG)"),
+    "pgjobs.history.rollup_failed": (
+        "PGJ-226", "the history rollup cannot run on this process (a schema before version 25, "
+        "or roles not applied again): said once, no rollup from this process"),
+})
+
 # the outbox relay (issue 13)
 EVENTS.update({
     "pgjobs.relay.publish_failed": (

@@ -97,9 +97,9 @@ def collect(admin: Admin, *, tenants: int = DEFAULT_TENANTS,
     dead = Metric("pgjobs_dead_letters", "gauge", "Dead letters held for a queue.")
     paused = Metric("pgjobs_queue_paused", "gauge", "1 when a queue is paused (not claimed).")
     settled = Metric("pgjobs_settled_total", "counter",
-                     "Messages settled, by queue and outcome (acked, requeued, rescued, dead, "
-                     "expired, cancelled, purged, failed, revoked), since the schema was "
-                     "installed.")
+                     "Messages settled, by queue and outcome (completed, failed, dropped, "
+                     "cancelled, requeued, rescued, expired, refused, purged, revoked), since "
+                     "the schema was installed.")
     consumers = Metric("pgjobs_consumers", "gauge",
                        "Consuming processes seen by their keeper tick in the last few ticks.")
     orphaned = Metric("pgjobs_orphaned_leases", "gauge",

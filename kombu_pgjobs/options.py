@@ -145,6 +145,12 @@ OPTIONS: tuple[Option, ...] = (
            "last write, and events after they were emitted (0: for ever)."),
     Option("retention_audit", 90 * 86400.0, float, 0.0, 36500 * 86400.0,
            "Seconds an audit log row is kept (0: for ever)."),
+    Option("history", True, bool,
+           doc="Every settle leaves a compact row in pgjobs_history (task, queue, tenant, "
+               "outcome, runtime, attempts, worker), written by the settle's own statement, "
+               "and the keepers roll it up per task and minute. False: no history, no rollups."),
+    Option("retention_history", 7 * 86400.0, float, 0.0, 36500 * 86400.0,
+           "Seconds a history row and a per-minute rollup are kept (0: for ever)."),
     Option("connect_timeout", 10.0, float, 0.1, 600.0, "Seconds to wait for a connection."),
     Option("lock_timeout", 10.0, float, 0.0, 86400.0,
            "Seconds a statement waits for a lock (a table someone LOCKed, a DDL in progress) "
@@ -305,6 +311,8 @@ class TransportOptions:
     retention_schedule_history: float = 14 * 86400.0
     retention_steps: float = 14 * 86400.0
     retention_audit: float = 90 * 86400.0
+    history: bool = True
+    retention_history: float = 7 * 86400.0
     connect_timeout: float = 10.0
     lock_timeout: float = 10.0
     statement_timeout: float = 60.0

@@ -1,7 +1,7 @@
 """The automatic retention sweep (issue 34): what ``pgjobs prune`` does, run by the workers
 themselves, so that dead letters, counters, the outbox, the webhook ledger, the scheduler's
-history, expired revokes, durable steps and events, and the audit log stay bounded without a
-cron job.
+history, expired revokes, durable steps and events, the audit log and the task history (with
+its per-minute rollups) stay bounded without a cron job.
 
 **Who sweeps.** Every worker's keeper asks for the turn once per ``retention_interval``
 (first one interval after it started) with one statement, ``retention_turn``: a conditional
@@ -57,6 +57,7 @@ KINDS: dict[str, str | None] = {
     "revokes": None,
     "steps": "retention_steps",
     "audit": "retention_audit",
+    "history": "retention_history",
 }
 
 
@@ -136,6 +137,8 @@ def sweep(conn: psycopg.Connection[Any], schema: str, options: TransportOptions,
             run = one("retention_revokes", {})
         elif kind == "audit":
             run = one("retention_audit", {"cutoff": cutoff})
+        elif kind == "history":
+            run = one("retention_history", {"cutoff": cutoff})
         else:  # steps and events: steps.prune's own batches (it counts first)
             assert cutoff is not None
             got = prune_steps(conn, schema, cutoff, limit=limit, batch=batch)
@@ -165,13 +168,15 @@ def plan(conn: psycopg.Connection[Any], schema: str,
         "cutoff": cut["webhook_attempts"]}).fetchone()[0] if cut["webhook_attempts"] else 0
     fires, revokes, audit = conn.execute(q["retention_count"], {
         "fires_cutoff": cut["schedule_history"], "audit_cutoff": cut["audit"]}).fetchone()
+    history = conn.execute(q["retention_history_count"], {
+        "cutoff": cut["history"]}).fetchone()[0] if cut["history"] else 0
     steps = 0
     if cut["steps"] is not None:
         got = prune_steps(conn, schema, cut["steps"], limit=1, batch=1, dry_run=True)
         steps = int(got["steps"]["matched"]) + int(got["events"]["matched"])
     matched = {"dead_letters": dead, "counters": counters, "outbox": outbox,
                "webhook_attempts": attempts, "schedule_history": fires, "revokes": revokes,
-               "steps": steps, "audit": audit}
+               "steps": steps, "audit": audit, "history": history}
     return {"enabled": options.retention, "interval": options.retention_interval,
             "limit": options.retention_limit,
             "kinds": {kind: {"window": win[kind], "matched": int(matched[kind] or 0)}

@@ -104,7 +104,8 @@ SECRET_TABLE_WRITES = ("INSERT", "UPDATE", "DELETE")
 #: column privileges on the rest, a publisher can insert ready rows only, never a running
 #: (claimed, handed-off) one
 JOB_FENCE_COLUMNS = frozenset({"id", "state", "claim", "attempts", "lease_expires_at", "worker",
-                               "cancelled_at", "waiting_on", "created_at"})
+                               "cancelled_at", "waiting_on", "created_at", "claimed_at",
+                               "outcome"})
 #: pgjobs_job columns a publisher reads: what counts a queue's deliverable messages (kombu's
 #: queue_declare and queue size), never a message's content
 JOB_COUNTED = ("id", "queue", "state", "run_at", "expires_at")

@@ -24,7 +24,8 @@ def test_every_placeholder_is_numbered_once_and_a_literal_percent_survives():
     assert len(keys) == len(set(keys)) and f"${len(keys)}".encode() in query
     assert f"${len(keys) + 1}".encode() not in query
     assert set(keys) == {"ack_ids", "ack_claims", "queues", "n", "ttl", "worker", "channel",
-                         "hand_off", "waiter", "register", "barrier", "schema_name"}
+                         "hand_off", "waiter", "register", "barrier", "schema_name",
+                         "history", "hint_ids", "hint_words"}
     # no statement of ours has %% today; the numbering keeps one as a literal %
     assert all("%%" not in text for text in raw_queries().values())
 

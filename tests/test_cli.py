@@ -108,10 +108,11 @@ def test_queues_and_ls_with_filters_and_keyset_pages(core, db, run):
     assert set(by_name) == {"alpha", "beta"}
     alpha = by_name["alpha"]
     assert set(alpha) == {"queue", "ready", "delayed", "running", "dead", "paused",
-                          "oldest_ready_age", "waiting", "settled", "acked_per_minute", "minutes"}
+                          "oldest_ready_age", "waiting", "settled", "completed_per_minute",
+                          "minutes"}
     assert (alpha["ready"], alpha["delayed"], alpha["running"], alpha["dead"]) == (3, 1, 1, 1)
     assert alpha["paused"] is False and alpha["oldest_ready_age"] >= 0
-    assert alpha["settled"] == {"dead": 1}
+    assert alpha["settled"] == {"failed": 1}
     assert by_name["beta"]["ready"] == 2
     code, text = run("queues", json_out=False)
     assert code == 0 and text.splitlines()[0].startswith("QUEUE") and "alpha" in text
@@ -353,7 +354,7 @@ def test_workers_and_metrics(core, db, run, schema):
     values = _metrics(text)
     assert values["pgjobs_up"] == 1
     assert values['pgjobs_messages{queue="alpha",state="running"}'] == 1
-    assert values['pgjobs_settled_total{queue="alpha",outcome="acked"}'] == 1
+    assert values['pgjobs_settled_total{queue="alpha",outcome="completed"}'] == 1
     assert values['pgjobs_messages{queue="we\\"ird\\\\q",state="ready"}'] == 1
     assert values["pgjobs_consumers"] == 1 and values["pgjobs_orphaned_leases"] == 1
     assert re.search(r"^# TYPE pgjobs_settled_total counter$", text, re.M)
@@ -377,7 +378,7 @@ def test_prune_and_dead_purge_in_bounded_batches(core, db, run, schema):
     def total() -> float:
         code, text = run("metrics", json_out=False)
         assert code == 0
-        return _metrics(text)['pgjobs_settled_total{queue="alpha",outcome="acked"}']
+        return _metrics(text)['pgjobs_settled_total{queue="alpha",outcome="completed"}']
 
     assert total() == 8
     code, out = run("prune", "--older-than", "7d", "--dry-run")

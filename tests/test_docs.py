@@ -255,6 +255,6 @@ def test_the_queues_table_in_the_how_to_has_the_columns_pgjobs_prints() -> None:
     text = (Path(__file__).resolve().parent.parent / "docs/howto/dead-letters.md").read_text()
     shown = text.split("$ pgjobs queues\n", 1)[1].splitlines()[0]
     row = {"queue": "q", "ready": 0, "delayed": 0, "running": 0, "waiting": 0, "dead": 0,
-           "paused": False, "oldest_ready_age": None, "settled": {}, "acked_per_minute": 0.0}
+           "paused": False, "oldest_ready_age": None, "settled": {}, "completed_per_minute": 0.0}
     printed = _render_queues({"minutes": 5, "queues": [row]}).splitlines()[0]
     assert re.split(r"\s{2,}", shown) == re.split(r"\s{2,}", printed)

@@ -35,7 +35,7 @@ def test_collector_in_an_app_registry(db: psycopg.Connection[Any], schema: str) 
         assert registry.get_sample_value(
             "pgjobs_messages", {"queue": "alpha", "state": "waiting"}) == 1.0
         assert registry.get_sample_value(
-            "pgjobs_settled_total", {"queue": "alpha", "outcome": "acked"}) == 1.0
+            "pgjobs_settled_total", {"queue": "alpha", "outcome": "completed"}) == 1.0
         text = generate_latest(registry).decode()
         assert "# TYPE pgjobs_settled_total counter" in text
         assert "# TYPE pgjobs_messages gauge" in text

@@ -91,10 +91,17 @@ def seed(core: QueueCore, db: psycopg.Connection[Any]) -> dict[str, int]:
     for age in (OLD, OLD, FRESH):
         db.execute(f"INSERT INTO {t}.pgjobs_audit (origin, actor, action, at) VALUES "
                    f"('cli', 'ops', 'pause', {age})")
+    for n, age in enumerate((OLD, OLD, FRESH)):
+        db.execute(f"INSERT INTO {t}.pgjobs_history (settled_at, job_id, claim, task, queue, "
+                   f"outcome, attempts) VALUES ({age}, %s, 1, 't', 'alpha', 'completed', 1)",
+                   (900000 + n,))
+    for age in (OLD, FRESH):
+        db.execute(f"INSERT INTO {t}.pgjobs_task_minute (task, minute, completed) VALUES "
+                   f"('t', date_trunc('minute', {age}), 1)")
     # steps: two old steps of gone tasks and one old event (the latest of its name is kept
-    # only while a waiter may read it: none waits)
+    # only while a waiter may read it: none waits); history: two old rows and an old minute
     return {"dead_letters": 2, "counters": 2, "outbox": 2, "webhook_attempts": 2,
-            "schedule_history": 2, "revokes": 2, "steps": 3, "audit": 2}
+            "schedule_history": 2, "revokes": 2, "steps": 3, "audit": 2, "history": 3}
 
 
 def left(db: psycopg.Connection[Any], schema: str) -> dict[str, int]:
@@ -107,6 +114,8 @@ def left(db: psycopg.Connection[Any], schema: str) -> dict[str, int]:
         "revokes": _count(db, schema, "pgjobs_revoked"),
         "steps": _count(db, schema, "pgjobs_step") + _count(db, schema, "pgjobs_event"),
         "audit": _count(db, schema, "pgjobs_audit"),
+        "history": _count(db, schema, "pgjobs_history")
+        + _count(db, schema, "pgjobs_task_minute"),
     }
 
 

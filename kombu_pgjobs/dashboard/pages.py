@@ -26,7 +26,7 @@ __all__ = ["chart", "routes"]
 
 #: minutes of settle counters the overview's chart shows
 CHART_MINUTES = 30
-#: minutes the overview's "acked per minute" is averaged over
+#: minutes the overview's "completed per minute" is averaged over
 RATE_MINUTES = 5
 #: rows per page of every listing
 PAGE = 50
@@ -105,8 +105,8 @@ def routes(dash: Dashboard) -> list[BaseRoute]:
         for q in queues:
             mine = data["series"].get(q["queue"], {})
             q["chart"] = chart(mine)
-            acked = sum(mine.get("acked", [])[-RATE_MINUTES:])
-            q["acked_per_minute"] = round(acked / RATE_MINUTES, 3)
+            completed = sum(mine.get("completed", [])[-RATE_MINUTES:])
+            q["completed_per_minute"] = round(completed / RATE_MINUTES, 3)
         return dash.render(request, "overview.html", {
             "queues": queues, "next": data["page"]["next"], "after": after,
             "internal": show_internal, "workers": data["workers"], "minutes": CHART_MINUTES,

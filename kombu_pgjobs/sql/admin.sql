@@ -523,8 +523,9 @@ SELECT count(*) FROM old;
 -- as a dead letter with a fresh id from the job id sequence (%(job_table)s). The message itself
 -- is settled by Celery as usual (acked), so the dead letter is a copy: when the live row is
 -- still held (%(job_id)s, %(claim)s: acks_late), its exact message, attempts and publish time
--- are copied; otherwise the caller's rebuilt %(message)s is stored. Counted as 'failed' (not
--- 'dead': the ack counts the row itself). Returns the dead letter's id.
+-- are copied; otherwise the caller's rebuilt %(message)s is stored. Not counted here: the
+-- caller tells the outcome next (job_outcome, sql/history.sql), which the ack then counts and
+-- records as 'failed' (or amends an early ack's). Returns the dead letter's id.
 WITH src AS (
     SELECT j.queue, j.priority, j.task, j.claim, j.attempts, j.max_attempts, j.created_at,
            j.message
@@ -544,11 +545,6 @@ WITH src AS (
       FROM (SELECT) AS one
       LEFT JOIN src ON true
     RETURNING id, queue
-), counted AS (
-    INSERT INTO {schema}.pgjobs_counter AS c (queue, outcome, bucket, shard, n)
-    SELECT queue, 'failed', date_trunc('minute', now()), %(shard)s, count(*)
-      FROM dead GROUP BY queue
-    ON CONFLICT (queue, outcome, bucket, shard) DO UPDATE SET n = c.n + excluded.n
 )
 SELECT id FROM dead;
 

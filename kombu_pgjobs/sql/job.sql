@@ -116,13 +116,29 @@ WITH given AS (
      WHERE j.id = ANY (ARRAY(SELECT id FROM settling))
        AND (j.id, j.claim) IN (SELECT id, claim FROM settling)
        AND j.state IS NOT DISTINCT FROM 'running'
-    RETURNING j.id, j.queue
+    RETURNING j.id, j.queue, j.claim, j.task, j.tenant, j.attempts, j.worker, j.claimed_at,
+              -- the word the acking process noted for the run (%(hint_ids)s, %(hint_words)s:
+              -- a Celery retry is 'requeued'), else the row's (job_outcome), else completed
+              coalesce((SELECT h.word
+                          FROM unnest(%(hint_ids)s::bigint[], %(hint_words)s::text[])
+                               AS h(id, word)
+                         WHERE h.id = j.id LIMIT 1),
+                       j.outcome, 'completed') AS outcome
 ), acked_count AS (
-    -- The settle counter moves in the statement that settles (one shard per process).
+    -- The settle counter moves in the statement that settles (one shard per process), under
+    -- the run's outcome: completed, unless its worker said failed or dropped (job_outcome).
     INSERT INTO {schema}.pgjobs_counter AS c (queue, outcome, bucket, shard, n)
-    SELECT queue, 'acked', date_trunc('minute', now()), %(worker)s, count(*)
-      FROM acked GROUP BY queue
+    SELECT queue, outcome, date_trunc('minute', now()), %(worker)s, count(*)
+      FROM acked GROUP BY queue, outcome
     ON CONFLICT (queue, outcome, bucket, shard) DO UPDATE SET n = c.n + excluded.n
+), acked_history AS (
+    -- One history row per ack (0025_history.sql), unless the history option is off.
+    INSERT INTO {schema}.pgjobs_history
+           (job_id, claim, task, queue, tenant, outcome, runtime, attempts, worker)
+    SELECT id, claim, task, queue, tenant, outcome,
+           extract(epoch FROM now() - claimed_at), attempts, worker
+      FROM acked
+     WHERE %(history)s
 ), epoch AS MATERIALIZED (
     -- The failover fence (0022_outage_leases.sql): claims number their rows above this base,
     -- moved up once per server start by pgjobs_fence_epoch_v2, which is called only when the
@@ -190,7 +206,9 @@ WITH given AS (
            claim = greatest(j.claim, (SELECT base FROM epoch)) + 1,
            attempts = j.attempts + 1,
            lease_expires_at = now() + make_interval(secs => %(ttl)s),
-           worker = %(worker)s
+           worker = %(worker)s,
+           claimed_at = now(),
+           outcome = NULL
      WHERE j.id = ANY (ARRAY(SELECT a.id FROM admitted AS a
                               WHERE a.v IS NULL OR (a.v).verdict = 'ok'))
     RETURNING j.id, j.claim, j.queue, j.priority, j.run_at, j.message
@@ -261,12 +279,14 @@ HAVING %(waiter)s::bigint IS NOT NULL AND cardinality(%(barrier)s::text[]) > 0
 -- delivery does not count as an attempt (the message never started). A message on its final
 -- attempt is dead-lettered instead (reason max_attempts), and a cancelled one too (reason
 -- cancelled), so a task that requeues itself forever, or a cancelled one, cannot come back.
--- NOTIFY wakes consumers. Returns (id, outcome).
+-- NOTIFY wakes consumers. Each settled delivery is counted under its outcome (requeued,
+-- failed, cancelled) and, with %(history)s, recorded in pgjobs_history, but for an uncounted
+-- hand-back (a message that never started: no run to record). Returns (id, outcome).
 WITH held AS (
     SELECT j.id, j.claim, j.limits, j.limit_key IS NOT NULL AS limited,
            CASE WHEN j.cancelled_at IS NOT NULL THEN 'cancelled'
                 WHEN NOT %(uncount)s
-                     AND j.attempts >= coalesce(j.max_attempts, %(max_attempts)s) THEN 'dead'
+                     AND j.attempts >= coalesce(j.max_attempts, %(max_attempts)s) THEN 'failed'
                 ELSE 'requeued' END AS outcome
       FROM {schema}.pgjobs_job AS j
       JOIN unnest(%(ids)s::bigint[], %(claims)s::int[]) AS a(id, claim)
@@ -289,15 +309,15 @@ WITH held AS (
     DELETE FROM {schema}.pgjobs_job AS j
      USING held
      WHERE j.id = held.id AND held.outcome <> 'requeued'
-    RETURNING j.*, held.outcome
+    RETURNING j.*, held.outcome AS verdict
 ), dead AS (
     INSERT INTO {schema}.pgjobs_dead_letter
            (id, queue, priority, task, claim, attempts, max_attempts, reason, error,
             created_at, message, run_at, expires_at, worker)
     SELECT id, queue, priority, task, claim, attempts, max_attempts,
-           CASE outcome WHEN 'dead' THEN 'max_attempts' ELSE 'cancelled' END,
-           CASE outcome
-                WHEN 'dead' THEN jsonb_build_object('type', 'MaxAttemptsExceeded',
+           CASE verdict WHEN 'failed' THEN 'max_attempts' ELSE 'cancelled' END,
+           CASE verdict
+                WHEN 'failed' THEN jsonb_build_object('type', 'MaxAttemptsExceeded',
                                                     'message', 'requeued on its final attempt')
                 ELSE jsonb_build_object('type', 'Cancelled',
                                         'message', 'cancelled while running; its holder '
@@ -312,12 +332,20 @@ WITH held AS (
 ), settled AS (
     SELECT id, queue, 'requeued' AS outcome FROM back
     UNION ALL
-    SELECT id, queue, outcome FROM removed
+    SELECT id, queue, verdict FROM removed
 ), counted AS (
     INSERT INTO {schema}.pgjobs_counter AS c (queue, outcome, bucket, shard, n)
     SELECT queue, outcome, date_trunc('minute', now()), %(worker)s, count(*)
       FROM settled GROUP BY queue, outcome
     ON CONFLICT (queue, outcome, bucket, shard) DO UPDATE SET n = c.n + excluded.n
+), recorded AS (
+    INSERT INTO {schema}.pgjobs_history
+           (job_id, claim, task, queue, tenant, outcome, runtime, attempts, worker)
+    SELECT j.id, j.claim, j.task, j.queue, j.tenant, h.outcome,
+           extract(epoch FROM now() - j.claimed_at), j.attempts, j.worker
+      FROM held AS h
+      JOIN {schema}.pgjobs_job AS j ON j.id = h.id
+     WHERE %(history)s AND NOT (%(uncount)s AND h.outcome = 'requeued')
 )
 SELECT id, outcome,
        CASE WHEN outcome = 'requeued' THEN pg_notify(%(channel)s, queue) IS NULL END
@@ -326,7 +354,8 @@ SELECT id, outcome,
 -- name: job_bury :many
 -- Fenced dead-lettering (basic_reject requeue=False): the row moves to pgjobs_dead_letter with
 -- its reason and error, in one statement; a row an operator cancelled goes with reason
--- 'cancelled' (counted so), whatever the caller's reason.
+-- 'cancelled' (counted so), whatever the caller's reason; any other counts 'failed'. With
+-- %(history)s, each is recorded in pgjobs_history.
 WITH dead AS (
     DELETE FROM {schema}.pgjobs_job AS j
      USING unnest(%(ids)s::bigint[], %(claims)s::int[]) AS a(id, claim)
@@ -338,10 +367,18 @@ WITH dead AS (
       FROM dead WHERE limit_key IS NOT NULL HAVING count(*) > 0
 ), counted AS (
     INSERT INTO {schema}.pgjobs_counter AS c (queue, outcome, bucket, shard, n)
-    SELECT queue, CASE WHEN cancelled_at IS NULL THEN 'dead' ELSE 'cancelled' END,
+    SELECT queue, CASE WHEN cancelled_at IS NULL THEN 'failed' ELSE 'cancelled' END,
            date_trunc('minute', now()), %(worker)s, count(*)
       FROM dead GROUP BY queue, cancelled_at IS NULL
     ON CONFLICT (queue, outcome, bucket, shard) DO UPDATE SET n = c.n + excluded.n
+), recorded AS (
+    INSERT INTO {schema}.pgjobs_history
+           (job_id, claim, task, queue, tenant, outcome, runtime, attempts, worker)
+    SELECT id, claim, task, queue, tenant,
+           CASE WHEN cancelled_at IS NULL THEN 'failed' ELSE 'cancelled' END,
+           extract(epoch FROM now() - claimed_at), attempts, worker
+      FROM dead
+     WHERE %(history)s
 )
 INSERT INTO {schema}.pgjobs_dead_letter
        (id, queue, priority, task, claim, attempts, max_attempts, reason, error, created_at,
@@ -428,6 +465,15 @@ WITH fleet AS MATERIALIZED (
            created_at, message, run_at, expires_at, worker
       FROM buried
     RETURNING id, queue, reason
+), recorded AS (
+    -- A lapsed run buried is settled: recorded (runtime to the lease's end) with %(history)s.
+    INSERT INTO {schema}.pgjobs_history
+           (job_id, claim, task, queue, tenant, outcome, runtime, attempts, worker)
+    SELECT id, claim, task, queue, tenant,
+           CASE WHEN cancelled_at IS NULL THEN 'failed' ELSE 'cancelled' END,
+           extract(epoch FROM lease_expires_at - claimed_at), attempts, worker
+      FROM buried
+     WHERE %(history)s
 ), requeued AS (
     UPDATE {schema}.pgjobs_job AS j
        SET state = 'ready', lease_expires_at = NULL, worker = NULL, delayed = false
@@ -535,7 +581,7 @@ WITH fleet AS MATERIALIZED (
      WHERE NOT EXISTS (SELECT 1 FROM {schema}.pgjobs_queue AS q WHERE q.name = c.name)
 ), settled AS (
     SELECT queue, 'rescued' AS outcome FROM requeued
-    UNION ALL SELECT queue, CASE reason WHEN 'cancelled' THEN 'cancelled' ELSE 'dead' END
+    UNION ALL SELECT queue, CASE reason WHEN 'cancelled' THEN 'cancelled' ELSE 'failed' END
                 FROM dead
     UNION ALL SELECT queue, 'expired' FROM expired
 ), counted AS (
