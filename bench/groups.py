@@ -6,9 +6,10 @@ Each round publishes the same group of ``--n`` no-op signatures once per path, e
 a fresh ``python -m bench.groups publish`` subprocess (no shared imports, pools or threads),
 paths interleaved round after round, so each ratio compares figures taken seconds apart. The
 clock runs from ``group(...)`` to the producer's connections closed (every broker holds every
-message by then), as in ``python -m bench``'s batch row. After the clock stops, the queue is
-purged through a new connection and the count removed must be ``--n`` for pgjobs (else the run
-fails: exit status 1).
+message by then), as in ``python -m bench``'s batch row; the queue is declared on the
+producer's connection before the clock starts (a process that has published before). After
+the clock stops, the queue is purged through a new connection and the count removed must be
+``--n`` for pgjobs (else the run fails: exit status 1).
 
 Paths (``--paths``):
 
@@ -88,9 +89,11 @@ def publish(path: str, n: int) -> dict[str, Any]:
         return removed if isinstance(removed, int) else None
 
     purge()
-    with app.pool.acquire(block=True) as conn:  # connected and declared before the clock
-        conn.ensure_connection(max_retries=1, timeout=10)
-        app.amqp.queues[QUEUE](conn.default_channel).declare()
+    # Connected, and the queue declared on the producer's connection (kombu then skips its
+    # declaration at the first member), before the clock: a process's steady state.
+    with app.producer_or_acquire() as producer:
+        producer.connection.ensure_connection(max_retries=1, timeout=10)
+        producer.maybe_declare(app.amqp.queues[QUEUE])
     signatures = [noop.s(i) for i in range(n)]
     start = time.perf_counter()
     if explicit:
