@@ -22,7 +22,7 @@ lost lease), never for a warm shutdown's hand-back of unstarted messages, at mos
 message delivery. With Celery's early ack (``acks_late=False``) the ack lands when the task
 starts: the signal waits for the outcome. A message that never reaches a worker's settle (its
 lease lapsed on the final attempt and a keeper buried it, a queued message cancelled) has no
-``on_settled``: ``pgjobs queues`` counts those (``dead``, ``cancelled``).
+``on_settled``: ``pgjobs queues`` and the history count those (``failed``, ``cancelled``).
 
 Arguments: ``sender`` (the task name), ``outcome``, ``task_id``, ``job_id``, ``attempts`` (the
 delivery's claim number: 1 for a first delivery), ``retries`` (Celery's) and ``tenant`` (its

@@ -78,8 +78,9 @@ def backend_for(conninfo: str, options: TransportOptions) -> Backend:
 
 #: Told of every fenced settle that landed: ``fn(outcome, job_id, claim, headers)`` with outcome
 #: ``acked``, ``requeued``, ``dead`` or ``cancelled`` (the ack of a run an operator cancelled
-#: became a dead letter), after its statement committed, once, never for a settle
-#: that missed its fence. ``headers`` are the delivered message's (``{}`` when not recorded).
+#: became a dead letter): the transport's settle, not yet the run's outcome (celery_ext's
+#: ``on_settled`` turns an ``acked`` into its run's word). Told after its statement committed,
+#: once, never for a settle that missed its fence. ``headers`` are the delivered message's (``{}`` when not recorded).
 #: celery_ext's ``on_settled`` signal is one (see :mod:`celery_ext.settled`). A listener runs on
 #: the thread that settled (the consumer, the keeper, a pool thread); one that raises is logged
 #: (PGJ-221) and changes nothing.

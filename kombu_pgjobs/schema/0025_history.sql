@@ -16,7 +16,7 @@
 -- 'dropped' for one with dead_letter=False): the ack counts and records that word instead of
 -- 'completed'.
 --
--- The counters' words become the outcomes' (docs/delivery.md, "Outcomes"): 'acked' is now
+-- The counters' words become the outcomes' (docs/operations.md, "History"): 'acked' is now
 -- 'completed' and a dead-lettering is 'failed' (as celery_ext's on_settled says). Rows
 -- written under the old words are renamed; readers map the old words too (a worker of the
 -- previous version may still write them during a rolling upgrade). Everything is idempotent.
