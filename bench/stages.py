@@ -1,35 +1,39 @@
-"""Where an idle task's latency goes: ``delay()`` to task body, stage by stage.
+"""Where an idle task's latency goes: ``delay()`` to task body, stage by stage, side by side.
 
-    python -m bench.stages [--brokers pgjobs,amqp] [--samples 60] [--pool threads] [--runs 3]
+    python -m bench.stages [--brokers pgjobs,amqp,redis] [--samples 60] [--pool threads,prefork]
+                           [--runs 3]
 
-One real ``celery worker`` per broker (the harness's app and flags), idle between samples (a
-random pause of 50 to 150 ms); each sample publishes ``bench.stages`` with ``delay()`` and the
-task records when its body started. On pgjobs the task also reads its own row (it acks late,
-so the row is still there): the publish transaction's ``now()`` and the claim's (the lease's
-start), which split the path into
+One real ``celery worker`` per broker and pool (the harness's app and flags, plus ``-I
+bench.stage_hooks``), idle between samples (a random pause of 50 to 150 ms); each sample
+publishes ``bench.stages`` with ``delay()`` and times one task from the call to its body.
+Rounds are interleaved (round 1 of every pool and broker, then round 2 ...), so a ratio
+compares runs minutes apart, never a whole run apart. Every broker goes through the same
+points:
 
-``client``   the ``delay()`` call until the INSERT's transaction starts (Celery, kombu, pgjobs's
-             encoding, half a round trip);
-``commit``   the INSERT and its durable commit, until ``delay()`` returns;
-``wake``     ``delay()`` returned until the worker's claim transaction starts (the NOTIFY, the
-             worker's wake-up, the claim sent);
-``deliver``  the claim's start until the task body runs (the claim, its commit, its rows read,
-             Celery's hand-off to the pool).
+``delay``    the ``delay()`` call (``sent`` to ``returned``);
+``wake``     ``delay()`` returned until the worker's event loop read the broker's signal
+             (pgjobs: the notification parsed; RabbitMQ, Redis: the socket turned readable);
+             a broker that delivers before ``delay()`` returns shows a negative figure;
+``deliver``  that read until Celery's consumer made a request of the message (the
+             ``task_received`` signal, main process): the transport's work and Celery's;
+``pool``     the request until the task body runs (Celery's pool: a thread, or a prefork
+             child).
 
-A message the publish handed to the idle worker (``0018_hand_off.sql``: its lease starts at the
-publish transaction's ``now()``) has no claim of its own: its last stage is
-
-``handed``   ``delay()`` returned until the task body runs (the NOTIFY carrying the message, the
-             worker's wake-up, Celery's hand-off to the pool),
-
-and ``handed%`` is the share of samples delivered so.
+pgjobs splits two of them further. From its row (the task acks late, so the row is still
+there) ``delay`` is ``client`` (the call until the INSERT's transaction starts: Celery, kombu,
+encoding, half a round trip) and ``commit`` (the INSERT, its trigger and its durable commit,
+until ``delay()`` returns). A message the publish handed to the idle worker (schema 18, 21)
+is read by the worker with one fenced statement before it is delivered: ``take`` is that
+read (the notification parsed until its rows are in), and ``deliver`` starts after it;
+``handed%`` is the share of samples delivered so (the others were claimed: their ``deliver``
+holds the claim).
 
 A broker may be given as a variant with transport options, e.g. ``pgjobs+hand_off=false``
 (values are JSON, else text), to compare settings side by side within one run.
 
 Every timestamp is the machine's one clock (Python's ``time.time()`` and PostgreSQL's
-``now()``). Other brokers report the total and the ``delay()`` call only. Medians of the
-samples of each run; the total's ratio to the second broker is taken within each run.
+``now()``). Stages are medians of the samples of a run; ``total`` is shown as p50 and p95
+(nearest rank); the first broker's ratios to each other broker are taken within each run.
 """
 
 from __future__ import annotations
@@ -48,102 +52,133 @@ from bench.brokers import prepare, variant
 from bench.measure import REPO_ROOT, BrokerRun, Config
 from bench.worker import Worker
 
-STAGES = ("client", "commit", "wake", "deliver", "handed")
+STAGES = ("client", "commit", "wake", "take", "deliver", "pool")
+
+
+class HookedWorker(Worker):
+    """The harness's worker with the stage timestamps of :mod:`bench.stage_hooks` loaded."""
+
+    @property
+    def argv(self) -> list[str]:
+        return [*super().argv, "-I", "bench.stage_hooks"]
+
+
+def _lines(path: Path, seen: int) -> list[str]:
+    if not path.exists():
+        return []
+    with open(path, "rb") as f:
+        f.seek(seen)
+        data = f.read()
+    return data.decode().splitlines() if data.endswith(b"\n") else []
 
 
 def _samples(state: Path, count: int, timeout: float = 10.0) -> list[dict[str, float]]:
     os.environ.update({"BENCH_STATE_DIR": str(state)})
     from bench.app import stages
 
-    path = state / "stages"
+    body, hooks = state / "stages", state / "received"
     rng = random.Random(7)
     rows: list[dict[str, float]] = []
     for i in range(count + 3):  # three warm-up samples
-        seen = path.stat().st_size if path.exists() else 0
+        seen = {p: (p.stat().st_size if p.exists() else 0) for p in (body, hooks)}
         sent = time.time()
         stages.delay(sent)
         returned = time.time()
         deadline = time.monotonic() + timeout
-        line = b""
-        while not line.endswith(b"\n"):
+        while not (_lines(body, seen[body]) and _lines(hooks, seen[hooks])):
             if time.monotonic() > deadline:
                 raise RuntimeError(f"sample {i}: no task start within {timeout:g} s")
             time.sleep(0.001)
-            if path.exists():
-                with open(path, "rb") as f:
-                    f.seek(seen)
-                    line = f.read()
         if i >= 3:
-            _, started, created, claimed = (float(x) for x in line.split())
-            row = {"total": started - sent, "delay": returned - sent}
+            _, started, created, claimed = (float(x) for x in _lines(body, seen[body])[0].split())
+            _, woke, taken, received = (float(x) for x in _lines(hooks, seen[hooks])[0].split())
+            row = {"total": started - sent, "delay": returned - sent, "pool": started - received}
+            handed = not math.isnan(created) and claimed == created  # claimed by the publish
             if not math.isnan(created):
                 row.update(client=created - sent, commit=returned - created)
-                if claimed == created:  # claimed in the publish's transaction: handed off
-                    row.update(handed=started - returned)
+                row["handed"] = float(handed)
+            if not math.isnan(woke):
+                row["wake"] = woke - returned
+                if handed and not math.isnan(taken) and taken >= woke:
+                    row.update(take=taken - woke, deliver=received - taken)
                 else:
-                    row.update(wake=claimed - returned, deliver=started - claimed)
+                    row["deliver"] = received - woke
             rows.append(row)
         time.sleep(rng.uniform(0.05, 0.15))
     return rows
 
 
 def one(spec: str, pool: str, count: int, tmp: Path) -> dict[str, float]:
-    """Median ms of each stage over ``count`` samples, in a fresh interpreter per broker."""
+    """Median ms of each stage over ``count`` samples (and the total's p95), in a fresh
+    interpreter per broker."""
     import subprocess
     import sys
 
-    name = spec
     broker = variant(spec)
-    state = tmp / spec.replace("/", "_")
+    state = tmp / f"{spec.replace('/', '_')}-{pool}"
     state.mkdir(exist_ok=True)
     run = BrokerRun(broker, Config(), state, lambda _msg: None)
     run.client("purge")
-    with Worker(pool=pool, concurrency=8 if pool == "threads" else 2, env=run.env,
-                state_dir=state, cwd=REPO_ROOT) as worker:
+    with HookedWorker(pool=pool, concurrency=8 if pool == "threads" else 2, env=run.env,
+                      state_dir=state, cwd=REPO_ROOT) as worker:
         worker.wait_ready(60)
         time.sleep(1.0)  # the worker settles into its idle wait
         code = ("import json, sys; from pathlib import Path; from bench.stages import _samples;"
                 f"print(json.dumps(_samples(Path({str(state)!r}), {count})))")
         out = subprocess.run([sys.executable, "-c", code], env=run.env, cwd=REPO_ROOT,
                              capture_output=True, text=True, timeout=count * 12 + 60)
-    if out.returncode:
-        raise RuntimeError(f"{name}: {out.stderr.strip().splitlines()[-1:]}")
+        if out.returncode:
+            raise RuntimeError(f"{spec}: {out.stderr.strip().splitlines()[-1:]}\n"
+                               f"{worker.log_tail()}")
     rows = json.loads(out.stdout.strip().splitlines()[-1])
-    keys = {k for r in rows for k in r}
+    keys = {k for r in rows for k in r} - {"handed"}
     medians = {k: 1000 * statistics.median(r[k] for r in rows if k in r) for k in keys}
-    if "handed" in keys:
-        medians["handed%"] = 100.0 * sum("handed" in r for r in rows) / len(rows)
+    totals = sorted(r["total"] for r in rows)
+    medians["p95"] = 1000 * totals[max(0, math.ceil(0.95 * len(totals)) - 1)]
+    if any("handed" in r for r in rows):
+        medians["handed%"] = 100.0 * sum(r.get("handed", 0.0) for r in rows) / len(rows)
     return medians
 
 
 def main() -> None:
     p = argparse.ArgumentParser(prog="python -m bench.stages", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--brokers", default="pgjobs,amqp")
+    p.add_argument("--brokers", default="pgjobs,amqp,redis")
     p.add_argument("--samples", type=int, default=60)
-    p.add_argument("--pool", default="threads", choices=["threads", "prefork"])
+    p.add_argument("--pool", default="threads",
+                   help="threads, prefork, or both as threads,prefork (interleaved per round)")
     p.add_argument("--runs", type=int, default=3)
     args = p.parse_args()
     names = args.brokers.split(",")
+    pools = args.pool.split(",")
+    if not set(pools) <= {"threads", "prefork"}:
+        p.error("--pool: threads, prefork or threads,prefork")
     for name in names:
         prepare(variant(name))
-    runs: dict[str, list[dict[str, float]]] = {n: [] for n in names}
+    runs: dict[tuple[str, str], list[dict[str, float]]] = {
+        (pool, n): [] for pool in pools for n in names}
     with tempfile.TemporaryDirectory(prefix="bench-stages-") as tmp:
         for _ in range(args.runs):
-            for name in names:
-                runs[name].append(one(name, args.pool, args.samples, Path(tmp)))
-    print(f"idle latency, {args.pool} pool, {args.samples} samples per run, "
-          f"medians in ms (per run):")
-    for name in names:
-        keys = [k for k in ("total", "delay", *STAGES, "handed%")
-                if any(k in r for r in runs[name])]
-        print(f"  {name:<7} " + "  ".join(
-            f"{k} " + "/".join(f"{r[k]:.2f}" if k in r else "-" for r in runs[name])
-            for k in keys))
-    if len(names) > 1:
-        a, b = names[:2]
-        ratios = [x["total"] / y["total"] for x, y in zip(runs[a], runs[b], strict=True)]
-        print(f"  {a}/{b} total, per run: " + ", ".join(f"{r:.2f}x" for r in ratios))
+            for pool in pools:
+                for name in names:
+                    runs[pool, name].append(one(name, pool, args.samples, Path(tmp)))
+    for pool in pools:
+        print(f"idle latency, {pool} pool, {args.samples} samples per run, "
+              f"medians in ms (per run):")
+        for name in names:
+            got = runs[pool, name]
+            keys = [k for k in ("total", "p95", "delay", *STAGES, "handed%")
+                    if any(k in r for r in got)]
+            print(f"  {name:<7} " + "  ".join(
+                f"{k} " + "/".join(f"{r[k]:.2f}" if k in r else "-" for r in got)
+                for k in keys))
+        first = names[0]
+        for other in names[1:]:
+            for key, label in (("total", "p50"), ("p95", "p95")):
+                ratios = [x[key] / y[key] for x, y in
+                          zip(runs[pool, first], runs[pool, other], strict=True)]
+                print(f"  {first}/{other} {label}, per run: "
+                      + ", ".join(f"{r:.2f}x" for r in ratios))
 
 
 if __name__ == "__main__":
