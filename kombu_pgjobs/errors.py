@@ -533,6 +533,16 @@ class DashboardSignInRequired(PgJobsError):
     code = "PGJ-439"
 
 
+class DashboardSearchRefused(PgJobsError):
+    """A dashboard history search the dashboard will not run: an args/kwargs containment value
+    that is not JSON (an array for the args, an object for the kwargs), or a scan larger than
+    the bound (the search reads at most that many of the newest messages and dead letters; a
+    wider one is the CLI's or a SQL console's). Answered with HTTP 400; nothing was read."""
+
+    code = "PGJ-440"
+
+
+__all__ += ["DashboardSearchRefused"]
 __all__ += ["DashboardCsrfFailed", "DashboardExposed", "DashboardHostRefused",
             "DashboardLoginThrottled", "DashboardNotInstalled", "DashboardReadOnly",
             "DashboardSignInRequired", "DashboardTokenRequired", "DashboardUnauthorized",

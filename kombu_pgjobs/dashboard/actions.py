@@ -1,5 +1,6 @@
-"""The actions (POST): pause, resume and purge a queue; requeue or cancel a message; requeue
-or purge dead letters, one or by filter; sign in and out.
+"""The actions (POST): pause, resume and purge a queue; requeue or cancel a message, one or the
+ones selected in the list; requeue or purge dead letters, one, the ones selected, or by filter;
+sign in and out.
 
 Every action goes through the same gate, in this order, and changes nothing when refused:
 the read gate, when the dashboard has a read token (401, ``PGJ-439``); read-only mode (403,
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlencode
 
+from psycopg import sql
 from starlette.datastructures import FormData
 from starlette.requests import Request
 from starlette.responses import JSONResponse, RedirectResponse, Response
@@ -200,6 +202,41 @@ def _dead_purge(admin: Admin, p: Mapping[str, str]) -> Any:
                             older_than=_opt(p, "older_than"), limit=_limit(p), **refused)
 
 
+def _selected(params: Mapping[str, str]) -> list[str]:
+    """The ids a list's checkboxes selected (``pick``, carried as ``ids`` by the
+    confirmation): at least one, at most one batch."""
+    ids = _id_list(params) or []
+    if not ids:
+        raise InvalidArgument("nothing was selected: tick the rows to act on; nothing was done")
+    return ids
+
+
+def _survey_selected(table: str) -> Survey:
+    """A selection's confirmation: how many of the selected ids are still there (in
+    ``table``: ``job`` for messages, ``dead`` for dead letters), and those ids, no others."""
+
+    def survey(admin: Admin, p: Mapping[str, str]) -> Preview:
+        ids = [int(i) for i in _selected(p)]
+        name = "pgjobs_dead_letter" if table == "dead" else "pgjobs_job"
+        rows = admin.conn.execute(
+            sql.SQL("SELECT id FROM {}.{} WHERE id = ANY(%s::bigint[]) ORDER BY id").format(
+                sql.Identifier(admin.schema), sql.Identifier(name)), [ids]).fetchall()
+        there = [int(r[0]) for r in rows]
+        return Preview(count=len(there), more=False,
+                       fields={"ids": ",".join(map(str, there))})
+
+    return survey
+
+
+def _selected_words(what: str, one: str) -> Describe:
+    def describe(p: Mapping[str, str]) -> str:
+        ids = _id_list(p) or []
+        return f"{what} the {_n(len(ids), one)} selected ({', '.join(ids[:20])}" + \
+            (", ...)" if len(ids) > 20 else ")")
+
+    return describe
+
+
 def _n(count: int, one: str, many: str | None = None) -> str:
     return f"{count:,} {one if count == 1 else (many or one + 's')}"
 
@@ -315,7 +352,10 @@ def action(dash: Dashboard, describe: Describe, perform: Perform,
     async def handler(request: Request) -> Response:
         form, actor = await _gate(dash, request)
         fields = {k: v for k, v in form.items()
-                  if isinstance(v, str) and k not in ("csrf", "confirm")}
+                  if isinstance(v, str) and k not in ("csrf", "confirm", "pick")}
+        picked = [v for v in form.getlist("pick") if isinstance(v, str)]
+        if picked:  # a list's checkboxes: the exact ids selected
+            fields["ids"] = ",".join(dict.fromkeys(v.strip() for v in picked))
         params = {**fields, **{k: str(v) for k, v in request.path_params.items()}}
         if _field(form, "confirm") != "yes":
             preview = None
@@ -367,6 +407,9 @@ def routes(dash: Dashboard) -> list[BaseRoute]:
 
     def to_message(p: Mapping[str, str]) -> str:
         return f"/messages/{p['id']}"
+
+    def to_messages(p: Mapping[str, str]) -> str:
+        return "/messages"
 
     def to_dead(p: Mapping[str, str]) -> str:
         """Back to the dead letters page with the filter it had."""
@@ -426,6 +469,23 @@ def routes(dash: Dashboard) -> list[BaseRoute]:
     return [
         Route("/login", login, methods=post),
         Route("/logout", logout, methods=post),
+        # the lists' checkboxes: the exact ids selected (before /dead/{id}/...)
+        Route("/dead/selected/requeue", act(
+            _selected_words("Requeue", "dead letter"),
+            lambda a, p: a.dead_requeue(_selected(p)), to_dead,
+            survey=_survey_selected("dead"), report=_requeued), methods=post),
+        Route("/dead/selected/purge", act(
+            _selected_words("Purge (delete for good)", "dead letter"),
+            lambda a, p: a.dead_purge(_selected(p)), to_dead,
+            survey=_survey_selected("dead"), report=_purged_dead), methods=post),
+        Route("/messages/selected/requeue", act(
+            _selected_words("Requeue (run now)", "message"),
+            lambda a, p: a.requeue(_selected(p)), to_messages,
+            survey=_survey_selected("job"), report=_requeued), methods=post),
+        Route("/messages/selected/cancel", act(
+            _selected_words("Cancel", "message"),
+            lambda a, p: a.cancel(_selected(p)), to_messages,
+            survey=_survey_selected("job"), report=_cancelled), methods=post),
         Route("/queues/{name:path}/pause", act(
             lambda p: f"Pause queue {p['name']}: claims skip it, running messages finish",
             lambda a, p: a.pause(p["name"]), to_overview, report=_paused), methods=post),

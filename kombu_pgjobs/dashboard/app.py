@@ -375,7 +375,7 @@ def create_app(dsn: str, *, schema: str = "pgjobs", write: bool = False,
     ``secret`` keys the sign-in form's CSRF token (default: derived from the tokens, so every
     process given the same tokens agrees). Sessions live in this process (see
     :mod:`.security`)."""
-    from . import actions, pages, schedules, webhooks
+    from . import actions, oncall, pages, schedules, webhooks
 
     validate_schema_name(schema)
     guard = Guard.make(write=write, token=token, read_token=read_token, secret=secret)
@@ -424,7 +424,7 @@ def create_app(dsn: str, *, schema: str = "pgjobs", write: bool = False,
             return JSONResponse({"error": {"code": None, "message": error.message}}, 503)
         return dash.render(request, "error.html", {"error": error, "status": 503}, 503)
 
-    routes: list[BaseRoute] = [*pages.routes(dash), *schedules.routes(dash),
+    routes: list[BaseRoute] = [*pages.routes(dash), *oncall.routes(dash), *schedules.routes(dash),
                                *webhooks.routes(dash), *actions.routes(dash)]
     for route in routes:  # every page and action, but signing in, is behind the read gate
         if isinstance(route, Route) and route.path not in ("/login", "/logout"):

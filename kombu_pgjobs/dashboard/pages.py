@@ -1,4 +1,5 @@
-"""The pages (GET): overview, messages, one message, dead letters, limits, workers.
+"""The pages (GET): overview, messages, one message, dead letters, limits, tenants, audit (the
+on-call pages, tasks, history and workers, are :mod:`.oncall`'s).
 
 Each page is one call, or a few, into :class:`~kombu_pgjobs.admin.Admin` — the statements the
 CLI runs, paged by index with keyset cursors (``?after=ID``) — rendered by a template. The
@@ -196,10 +197,6 @@ def routes(dash: Dashboard) -> list[BaseRoute]:
         return dash.render(request, "limits.html",
                            {**data, "key": key, "bound": dash.count_bound})
 
-    async def workers(request: Request) -> Response:
-        rows = await dash.run(lambda admin: admin.workers(leases=20))
-        return dash.render(request, "workers.html", {"workers": rows})
-
     async def audit_log(request: Request) -> Response:
         """Who changed what, newest first (``?before=ID``: the next page)."""
         raw = _arg(request, "before")
@@ -230,7 +227,6 @@ def routes(dash: Dashboard) -> list[BaseRoute]:
         Route("/dead/{id}", dead_letter, name="dead_letter"),
         Route("/dead/{id}/raw/{part}", raw(True), name="dead_letter_raw"),
         Route("/limits", limits, name="limits"),
-        Route("/workers", workers, name="workers"),
         Route("/tenants", tenants, name="tenants"),
         Route("/audit", audit_log, name="audit"),
         Route("/login", login, name="login"),

@@ -1,4 +1,6 @@
-"""The dashboard's own statements (``overview.sql``): the overview's page of queues.
+"""The dashboard's own statements: the overview's page of queues (``overview.sql``), and the
+on-call pages' (``tasks.sql``: the tasks page, a task's page, the history search, the workers'
+throughput).
 
 Read and composed as :mod:`kombu_pgjobs.sql` does its files: each statement under a
 ``-- name: <name>`` header, comment lines not sent, ``{schema}`` the quoted schema identifier
@@ -17,9 +19,14 @@ from psycopg import sql
 
 from ..admin import Admin
 
-__all__ = ["counter_series", "internal", "queries", "queue_page"]
+__all__ = ["counter_series", "dicts", "internal", "queries", "queue_page"]
 
 _HEADER = re.compile(r"^-- name: (\w+)(?: :\w+)?\s*$", re.MULTILINE)
+#: the files of the dashboard's own statements: the overview's, and the on-call pages'
+#: (tasks, a task, the history search, workers' throughput: issue 34)
+FILES = ("overview.sql", "tasks.sql")
+
+
 def internal(queue: str) -> bool:
     """A queue Celery makes for itself (``*.pidbox``, ``*.reply.celery.pidbox``,
     ``celeryev.*``), not one of the app's: what overview.sql's LIKE patterns say."""
@@ -28,12 +35,15 @@ def internal(queue: str) -> bool:
 
 @cache
 def _raw() -> dict[str, str]:
-    text = resources.files(__package__).joinpath("overview.sql").read_text("utf-8")
-    parts = _HEADER.split(text)
     found: dict[str, str] = {}
-    for name, body in zip(parts[1::2], parts[2::2], strict=True):
-        lines = [ln for ln in body.splitlines() if not ln.lstrip().startswith("--")]
-        found[name] = "\n".join(lines).strip().rstrip(";")
+    for file in FILES:
+        text = resources.files(__package__).joinpath(file).read_text("utf-8")
+        parts = _HEADER.split(text)
+        for name, body in zip(parts[1::2], parts[2::2], strict=True):
+            if name in found:
+                raise RuntimeError(f"statement {name} is named twice ({file})")
+            lines = [ln for ln in body.splitlines() if not ln.lstrip().startswith("--")]
+            found[name] = "\n".join(lines).strip().rstrip(";")
     return found
 
 
@@ -44,7 +54,7 @@ def queries(schema: str) -> dict[str, sql.Composed]:
             for name, text in _raw().items()}
 
 
-def _dicts(conn: psycopg.Connection[Any], query: sql.Composed,
+def dicts(conn: psycopg.Connection[Any], query: sql.Composed,
            params: dict[str, Any]) -> list[dict[str, Any]]:
     cur = conn.execute(query, params)
     names = [d.name for d in cur.description or ()]
@@ -55,7 +65,7 @@ def queue_page(admin: Admin, *, after: str | None, limit: int, bound: int,
                show_internal: bool) -> dict[str, Any]:
     """One page of the overview: ``limit`` queues after ``after`` in name order, counted as
     ``Admin.queues(bound=...)`` counts; ``next`` is the cursor of the next page."""
-    rows = _dicts(admin.conn, queries(admin.schema)["dashboard_queue_page"], {
+    rows = dicts(admin.conn, queries(admin.schema)["dashboard_queue_page"], {
         "after": after or "", "n": int(limit) + 1, "bound": int(bound),
         "internal": bool(show_internal)})
     more = len(rows) > limit
@@ -70,7 +80,7 @@ def counter_series(admin: Admin, queues: list[str],
     out: dict[str, dict[str, list[int]]] = {}
     if not queues:
         return out
-    for r in _dicts(admin.conn, queries(admin.schema)["dashboard_counter_series"],
+    for r in dicts(admin.conn, queries(admin.schema)["dashboard_counter_series"],
                     {"queues": queues, "minutes": int(minutes)}):
         series = out.setdefault(r["queue"], {}).setdefault(r["outcome"], [0] * minutes)
         if 0 <= r["ago"] < minutes:

@@ -1,0 +1,209 @@
+-- The dashboard's on-call pages (issue 34, item 4): the tasks page, a task's page, the history
+-- search and the workers' throughput. Loaded by kombu_pgjobs/dashboard/queries.py as
+-- overview.sql is ({schema} is the quoted schema, comments are not sent).
+--
+-- Every statement here is bounded whatever pgjobs_history holds: the tasks page reads the
+-- per-minute rollups (pgjobs_task_minute, at most 1,440 rows per task for a day, through
+-- pgjobs_task_minute_minute_idx) plus the minutes not rolled up yet, cut at %(tail)s history
+-- rows (pgjobs_history_settled_idx, backwards); the lists read an index in its order and stop
+-- after a page, or after %(scan)s candidates.
+
+-- name: dashboard_tasks :many
+-- The tasks page: per task over the window of the last %(minutes)s minutes (the current one
+-- included, so a window is whole minutes: rolled-up minutes and the tail agree exactly), the
+-- settles by outcome, the rate (settles per minute), the failure ratio (failed / settled
+-- without the requeued, as pgjobs stats), the runtime p50/p95 (the minutes' percentiles
+-- weighted by their settles: a rollup cannot merge them exactly) and max, and a sparkline of
+-- %(points)s buckets of settles (oldest first). The rollups cover the minutes before the
+-- watermark (pgjobs_rollup.upto); the minutes since are read from pgjobs_history, at most its
+-- %(tail)s newest rows (tail_rows says how many were read: equal to %(tail)s, the tail was
+-- cut). Sorted by %(sort)s (task, rate, failure, p50, p95, max), %(descending)s, then by task;
+-- at most %(limit)s tasks.
+WITH bounds AS MATERIALIZED (
+    SELECT date_trunc('minute', now()) - make_interval(mins => %(minutes)s::int - 1) AS start,
+           r.upto
+      FROM {schema}.pgjobs_rollup AS r
+     WHERE r.id = 1
+), tail AS MATERIALIZED (
+    SELECT h.task, h.settled_at, h.outcome, h.runtime
+      FROM {schema}.pgjobs_history AS h, bounds AS b
+     WHERE h.settled_at >= greatest(b.upto, b.start)
+     ORDER BY h.settled_at DESC
+     LIMIT %(tail)s
+), minutes AS (
+    SELECT m.task, m.minute, m.completed, m.failed, m.dropped, m.cancelled, m.requeued,
+           m.runtime_p50, m.runtime_p95, m.runtime_max
+      FROM {schema}.pgjobs_task_minute AS m, bounds AS b
+     WHERE m.minute >= b.start AND m.minute < b.upto
+    UNION ALL
+    SELECT coalesce(t.task, ''), date_trunc('minute', t.settled_at),
+           count(*) FILTER (WHERE t.outcome = 'completed'),
+           count(*) FILTER (WHERE t.outcome = 'failed'),
+           count(*) FILTER (WHERE t.outcome = 'dropped'),
+           count(*) FILTER (WHERE t.outcome = 'cancelled'),
+           count(*) FILTER (WHERE t.outcome = 'requeued'),
+           percentile_cont(0.5) WITHIN GROUP (ORDER BY t.runtime),
+           percentile_cont(0.95) WITHIN GROUP (ORDER BY t.runtime),
+           max(t.runtime)
+      FROM tail AS t
+     GROUP BY 1, 2
+), totals AS (
+    SELECT task, sum(completed)::bigint AS completed, sum(failed)::bigint AS failed,
+           sum(dropped)::bigint AS dropped, sum(cancelled)::bigint AS cancelled,
+           sum(requeued)::bigint AS requeued,
+           sum(completed + failed + dropped + cancelled + requeued)::bigint AS settled,
+           (sum(failed) / nullif(sum(completed + failed + dropped + cancelled), 0))::float8
+               AS failure_ratio,
+           (sum(runtime_p50 * (completed + failed + dropped + cancelled + requeued))
+              / nullif(sum(completed + failed + dropped + cancelled + requeued)
+                       FILTER (WHERE runtime_p50 IS NOT NULL), 0))::float8 AS runtime_p50,
+           (sum(runtime_p95 * (completed + failed + dropped + cancelled + requeued))
+              / nullif(sum(completed + failed + dropped + cancelled + requeued)
+                       FILTER (WHERE runtime_p95 IS NOT NULL), 0))::float8 AS runtime_p95,
+           max(runtime_max)::float8 AS runtime_max
+      FROM minutes
+     GROUP BY task
+), buckets AS (
+    SELECT mi.task,
+           least(%(points)s::int - 1,
+                 (extract(epoch FROM mi.minute - b.start) / 60)::int
+                     / ceil(%(minutes)s::numeric / %(points)s::int)::int) AS i,
+           sum(mi.completed + mi.failed + mi.dropped + mi.cancelled + mi.requeued)::bigint AS n
+      FROM minutes AS mi, bounds AS b
+     GROUP BY 1, 2
+), ranked AS (
+    SELECT t.*, t.settled::float8 / %(minutes)s::int AS rate,
+           CASE %(sort)s WHEN 'rate' THEN t.settled::float8
+                         WHEN 'failure' THEN t.failure_ratio
+                         WHEN 'p50' THEN t.runtime_p50
+                         WHEN 'p95' THEN t.runtime_p95
+                         WHEN 'max' THEN t.runtime_max END AS sort_key
+      FROM totals AS t
+)
+SELECT r.task, r.completed, r.failed, r.dropped, r.cancelled, r.requeued, r.settled, r.rate,
+       r.failure_ratio, r.runtime_p50, r.runtime_p95, r.runtime_max,
+       (SELECT array_agg(coalesce(k.n, 0) ORDER BY g)
+          FROM generate_series(0, %(points)s::int - 1) AS g
+          LEFT JOIN buckets AS k ON k.task = r.task AND k.i = g) AS spark,
+       (SELECT count(*) FROM tail)::int AS tail_rows,
+       (SELECT b.upto FROM bounds AS b) AS rolled_upto
+  FROM ranked AS r
+ ORDER BY CASE WHEN %(descending)s::bool THEN r.sort_key END DESC NULLS LAST,
+          CASE WHEN NOT %(descending)s::bool THEN r.sort_key END ASC NULLS LAST,
+          CASE WHEN %(sort)s = 'task' AND %(descending)s::bool THEN r.task END DESC,
+          r.task
+ LIMIT %(limit)s;
+
+-- name: dashboard_task_history :many
+-- A task's page: its settled deliveries, newest first (pgjobs_history_task_idx backwards), of
+-- one outcome or any (%(outcome)s NULL), before the cursor (%(before)s, %(before_id)s: the
+-- last row of the previous page; NULL: now), %(n)s of them. Each with the dead letter that
+-- kept its failure, if there is one: the transport's keeps the message's id
+-- (pgjobs_dead_letter_pkey), celery_ext's copy has its own id and names the job in
+-- error ->> 'job_id' (pgjobs_dead_letter_job_id_idx); and whether the message is live again
+-- (a requeued dead letter keeps its id).
+SELECT h.settled_at, h.job_id, h.claim, h.task, h.queue, h.tenant, h.outcome, h.runtime,
+       h.attempts, h.worker, d.id AS dead_id, d.error ->> 'type' AS error_type,
+       d.error ->> 'message' AS error_message, d.reason AS dead_reason,
+       (SELECT j.state FROM {schema}.pgjobs_job AS j WHERE j.id = h.job_id) AS live_state
+  FROM {schema}.pgjobs_history AS h
+  LEFT JOIN LATERAL (
+        SELECT x.id, x.error, x.reason FROM (
+            (SELECT x1.id, x1.error, x1.reason, 0 AS pref
+               FROM {schema}.pgjobs_dead_letter AS x1 WHERE x1.id = h.job_id)
+            UNION ALL
+            (SELECT x2.id, x2.error, x2.reason, 1
+               FROM {schema}.pgjobs_dead_letter AS x2
+              WHERE x2.error ? 'job_id' AND x2.error ->> 'job_id' = h.job_id::text
+              ORDER BY x2.id DESC LIMIT 1)) AS x
+         ORDER BY x.pref LIMIT 1) AS d ON h.outcome IN ('failed', 'dropped', 'cancelled')
+ WHERE h.task = %(task)s
+   AND (%(outcome)s::text IS NULL OR h.outcome = %(outcome)s)
+   AND h.settled_at <= coalesce(%(before)s::timestamptz, 'infinity')
+   AND (%(before)s::timestamptz IS NULL OR h.settled_at < %(before)s::timestamptz
+        OR h.job_id < %(before_id)s::bigint)
+ ORDER BY h.settled_at DESC, h.job_id DESC
+ LIMIT %(n)s;
+
+-- name: dashboard_history_search :many
+-- The history search: of the %(scan)s newest deliveries settled in [%(since)s, %(until)s)
+-- (of one task when %(task)s: pgjobs_history_task_idx, else pgjobs_history_settled_idx,
+-- backwards) and before the cursor, the first %(n)s of an outcome, a tenant and a worker
+-- (NULL: any), each with its dead letter (as dashboard_task_history) and whether its message
+-- is live. scanned: how many candidates were read (equal to %(scan)s: the search stopped
+-- there, older rows were not looked at).
+WITH cand AS MATERIALIZED (
+    SELECT h.*
+      FROM {schema}.pgjobs_history AS h
+     WHERE (%(task)s::text IS NULL OR h.task = %(task)s)
+       AND h.settled_at >= coalesce(%(since)s::timestamptz, '-infinity')
+       AND h.settled_at < coalesce(%(until)s::timestamptz, 'infinity')
+       AND h.settled_at <= coalesce(%(before)s::timestamptz, 'infinity')
+       AND (%(before)s::timestamptz IS NULL OR h.settled_at < %(before)s::timestamptz
+            OR h.job_id < %(before_id)s::bigint)
+     ORDER BY h.settled_at DESC, h.job_id DESC
+     LIMIT %(scan)s
+), hits AS (
+    SELECT c.* FROM cand AS c
+     WHERE (%(outcome)s::text IS NULL OR c.outcome = %(outcome)s)
+       AND (%(tenant)s::text IS NULL OR c.tenant = %(tenant)s)
+       AND (%(worker)s::text IS NULL OR c.worker = %(worker)s)
+     ORDER BY c.settled_at DESC, c.job_id DESC
+     LIMIT %(n)s
+)
+SELECT h.settled_at, h.job_id, h.claim, h.task, h.queue, h.tenant, h.outcome, h.runtime,
+       h.attempts, h.worker, d.id AS dead_id, d.error ->> 'type' AS error_type,
+       d.error ->> 'message' AS error_message,
+       (SELECT j.state FROM {schema}.pgjobs_job AS j WHERE j.id = h.job_id) AS live_state,
+       (SELECT count(*) FROM cand)::int AS scanned
+  FROM hits AS h
+  LEFT JOIN LATERAL (
+        SELECT x.id, x.error FROM (
+            (SELECT x1.id, x1.error, 0 AS pref
+               FROM {schema}.pgjobs_dead_letter AS x1 WHERE x1.id = h.job_id)
+            UNION ALL
+            (SELECT x2.id, x2.error, 1
+               FROM {schema}.pgjobs_dead_letter AS x2
+              WHERE x2.error ? 'job_id' AND x2.error ->> 'job_id' = h.job_id::text
+              ORDER BY x2.id DESC LIMIT 1)) AS x
+         ORDER BY x.pref LIMIT 1) AS d ON h.outcome IN ('failed', 'dropped', 'cancelled')
+ ORDER BY h.settled_at DESC, h.job_id DESC;
+
+-- name: dashboard_args_candidates :many
+-- The args search's candidates: the %(scan)s newest live messages (pgjobs_job_pkey
+-- backwards) and the %(scan)s newest dead letters (pgjobs_dead_letter_pkey backwards), of a
+-- task (NULL: any), each with its body when it is at most %(body_max)s characters (a longer
+-- one is not decoded: body NULL, too_big). Bodies are decoded and matched in Python
+-- (base64 kombu bodies; a statement that decoded them would fail on the first that is not
+-- JSON).
+(SELECT 'message' AS kind, j.id, j.queue, j.task, j.tenant, j.state, NULL::text AS reason,
+        j.created_at AS at,
+        CASE WHEN length(j.message ->> 'body') <= %(body_max)s::int
+             THEN j.message ->> 'body' END AS body,
+        length(j.message ->> 'body') > %(body_max)s::int AS too_big,
+        j.message -> 'properties' ->> 'body_encoding' AS body_encoding,
+        j.message ->> 'content-type' AS content_type
+   FROM {schema}.pgjobs_job AS j
+  WHERE (%(task)s::text IS NULL OR j.task = %(task)s)
+  ORDER BY j.id DESC
+  LIMIT %(scan)s)
+UNION ALL
+(SELECT 'dead', d.id, d.queue, d.task, d.message -> 'headers' ->> 'x-pgjobs-tenant', 'dead',
+        d.reason, d.died_at,
+        CASE WHEN length(d.message ->> 'body') <= %(body_max)s::int
+             THEN d.message ->> 'body' END,
+        length(d.message ->> 'body') > %(body_max)s::int,
+        d.message -> 'properties' ->> 'body_encoding',
+        d.message ->> 'content-type'
+   FROM {schema}.pgjobs_dead_letter AS d
+  WHERE (%(task)s::text IS NULL OR d.task = %(task)s)
+  ORDER BY d.id DESC
+  LIMIT %(scan)s);
+
+-- name: dashboard_worker_throughput :many
+-- Settles per worker over the last %(minutes)s minutes (the current one included): the
+-- counters' rows whose shard is the settling process (pgjobs_counter_bucket_idx).
+SELECT c.shard AS worker, c.outcome, sum(c.n)::bigint AS n
+  FROM {schema}.pgjobs_counter AS c
+ WHERE c.bucket >= date_trunc('minute', now()) - make_interval(mins => %(minutes)s::int - 1)
+ GROUP BY 1, 2;
