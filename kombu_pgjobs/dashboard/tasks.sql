@@ -71,6 +71,12 @@ WITH bounds AS MATERIALIZED (
            sum(mi.completed + mi.failed + mi.dropped + mi.cancelled + mi.requeued)::bigint AS n
       FROM minutes AS mi, bounds AS b
      GROUP BY 1, 2
+), spark AS (
+    SELECT t.task, array_agg(coalesce(k.n, 0) ORDER BY g.i) AS spark
+      FROM totals AS t
+     CROSS JOIN generate_series(0, %(points)s::int - 1) AS g(i)
+      LEFT JOIN buckets AS k ON k.task = t.task AND k.i = g.i
+     GROUP BY t.task
 ), ranked AS (
     SELECT t.*, t.settled::float8 / %(minutes)s::int AS rate,
            CASE %(sort)s WHEN 'rate' THEN t.settled::float8
@@ -82,12 +88,11 @@ WITH bounds AS MATERIALIZED (
 )
 SELECT r.task, r.completed, r.failed, r.dropped, r.cancelled, r.requeued, r.settled, r.rate,
        r.failure_ratio, r.runtime_p50, r.runtime_p95, r.runtime_max,
-       (SELECT array_agg(coalesce(k.n, 0) ORDER BY g)
-          FROM generate_series(0, %(points)s::int - 1) AS g
-          LEFT JOIN buckets AS k ON k.task = r.task AND k.i = g) AS spark,
+       sp.spark,
        (SELECT count(*) FROM tail)::int AS tail_rows,
        (SELECT b.upto FROM bounds AS b) AS rolled_upto
   FROM ranked AS r
+  JOIN spark AS sp ON sp.task = r.task
  ORDER BY CASE WHEN %(descending)s::bool THEN r.sort_key END DESC NULLS LAST,
           CASE WHEN NOT %(descending)s::bool THEN r.sort_key END ASC NULLS LAST,
           CASE WHEN %(sort)s = 'task' AND %(descending)s::bool THEN r.task END DESC,
