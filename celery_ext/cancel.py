@@ -46,6 +46,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+from celery import platforms as _platforms
 from celery import signals
 from celery.exceptions import Ignore
 
@@ -230,11 +231,247 @@ def _threads_terminate_job(pool: Any, pid: Any, signal: Any = None) -> None:
     threading.Thread(target=exit_soon, name="celery_ext-cold-exit", daemon=True).start()
 
 
+# -- gevent and eventlet: a cold shutdown out of signal context -------------------------------
+#
+# Celery runs its cold shutdown (``on_cold_shutdown``: the soft shutdown's sleep, cancelling the
+# consumer, ``Request.cancel`` of every running task, ``pool.stop()``) inside its SIGQUIT/SIGINT
+# handler. Under a green pool that handler runs in the hub (the greenlet that waits on sockets),
+# where nothing may block: gevent raised BlockingSwitchOutError at the first wait, eventlet
+# "do not call blocking functions from the mainloop"; Celery called it an unrecoverable error,
+# waited for every running task to end (unbounded) and acked them. So on these pools the
+# signal handler only records the shutdown — from then on no task starts, the task channel
+# claims nothing more (its prefetch window is closed, in memory), and a real thread bounds the
+# exit — and runs Celery's handler in a greenlet of its own.
+
+#: set (in signal context) when a cold shutdown began on a green pool: no task starts after it
+_green_cold: list[bool] = []
+#: the cut-off deliveries were handed back (once per process)
+_green_cut: list[bool] = []
+#: seconds past the soft shutdown's deadline after which a green pool's worker exits by force
+#: (a task greenlet that never yields to its kill starves everything else)
+GREEN_GRACE = 8.0
+
+
+def _green() -> str | None:
+    """"gevent" or "eventlet" when that library monkey-patched this process (a green pool)."""
+    monkey = sys.modules.get("gevent.monkey")
+    if monkey is not None and monkey.is_module_patched("socket"):
+        return "gevent"
+    from kombu_pgjobs.green import eventlet_patched
+
+    return "eventlet" if eventlet_patched() else None
+
+
+def _spawn(green: str, fn: Any, *args: Any) -> None:
+    """Run ``fn`` in a new greenlet (never blocks: callable from the hub)."""
+    if green == "gevent":
+        import gevent
+
+        gevent.spawn(fn, *args)
+    else:
+        import eventlet
+
+        eventlet.spawn(fn, *args)
+
+
+def _watchdog(green: str, after: float) -> None:
+    """A real thread (a greenlet would starve with the rest) that ends the process ``after``
+    seconds from now if it is still alive. A last resort that writes nothing to the database:
+    what was not handed back by then returns when its lease lapses."""
+    if green == "gevent":
+        from gevent import monkey
+
+        start = monkey.get_original("_thread", "start_new_thread")
+        sleep = monkey.get_original("time", "sleep")
+    else:
+        from eventlet import patcher
+
+        start = patcher.original("_thread").start_new_thread
+        sleep = patcher.original("time").sleep
+
+    def watch() -> None:
+        sleep(after)
+        os.write(2, f"celery_ext: the cold shutdown did not end {after:g}s after the signal: "
+                    "exiting\n".encode())
+        os._exit(1)
+
+    start(watch, ())
+
+
+def _close_window(consumer: Any) -> None:
+    """The task channel claims nothing more: its prefetch window reads as full (in memory:
+    safe in a signal handler). Celery cancels the consumer later, in the loop."""
+    qos = getattr(getattr(getattr(consumer, "task_consumer", None), "channel", None), "qos",
+                  None)
+    if qos is not None:
+        qos.can_consume = lambda: False
+        qos.can_consume_max_estimate = lambda: 0
+
+
+def _cancel_in_loop(task_consumer: Any) -> None:
+    """Cancel the task consumer in the main greenlet only: the consumer loop's, which may be
+    waiting on the claim connection's socket, where a statement from another greenlet is a
+    second reader (eventlet refuses it; the connection is marked broken). From another
+    greenlet — Celery's cold-shutdown handler here — the cancel is queued for the loop's next
+    turn (Celery's ``call_soon``, as for its own remote-control commands). Idempotent."""
+    if getattr(task_consumer.cancel, "_celery_ext_in_loop", False):
+        return
+    import greenlet
+
+    real = task_consumer.cancel
+    consumer = _consumer
+
+    def cancel() -> None:
+        if greenlet.getcurrent().parent is None:  # the main greenlet: the loop's
+            real()
+        else:
+            consumer.call_soon(real)
+
+    cancel._celery_ext_in_loop = True  # type: ignore[attr-defined]
+    task_consumer.cancel = cancel
+
+
+def _run_cold(handler: Any, signum: Any, frame: Any) -> None:
+    """Celery's cold-shutdown handler, in a greenlet: its sleep, its waits and the hand-back
+    are cooperative there."""
+    task_consumer = getattr(_consumer, "task_consumer", None)
+    if task_consumer is not None:
+        _cancel_in_loop(task_consumer)
+    handler(signum, frame)
+
+
+def _deferred(handler: Any) -> Any:
+    """Celery's cold-shutdown signal handler, run in a greenlet when the pool is green."""
+    if getattr(handler, "_celery_ext_deferred", False):
+        return handler
+
+    def worker_Cold(signum: Any = None, frame: Any = None) -> None:
+        green = _green()
+        if green is None:
+            handler(signum, frame)
+            return
+        if not _green_cold:  # the first cold signal
+            _green_cold.append(True)
+            conf = getattr(getattr(_consumer, "app", None), "conf", None)
+            soft = float(getattr(conf, "worker_soft_shutdown_timeout", 0) or 0)
+            _watchdog(green, soft + GREEN_GRACE)
+            _close_window(_consumer)
+        _spawn(green, _run_cold, handler, signum, frame)
+
+    worker_Cold._celery_ext_deferred = True  # type: ignore[attr-defined]
+    return worker_Cold
+
+
+def _install_signal(self: Any, name: Any, handler: Any) -> None:
+    """``celery.platforms.Signals.__setitem__``: Celery's cold-shutdown handlers (named
+    ``worker_Cold``) are deferred to a greenlet on green pools (see above)."""
+    if callable(handler) and getattr(handler, "__name__", "") == "worker_Cold":
+        handler = _deferred(handler)
+    _signals_setitem(self, name, handler)
+
+
+def _unless_cold(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """A green pool's task greenlet: a task not started when the cold shutdown began never
+    starts (its request stays reserved, its message unacked: handed back uncounted)."""
+    if _green_cold:
+        return None
+    return fn(*args, **kwargs)
+
+
+def _gate(pool: Any) -> None:
+    """Put :func:`_unless_cold` in front of every task a gevent/eventlet pool starts."""
+    spawn = getattr(pool, "_quick_put", None)
+    if spawn is None or getattr(spawn, "_celery_ext_gated", False):
+        return
+
+    def gated(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        return spawn(_unless_cold, fn, *args, **kwargs)
+
+    gated._celery_ext_gated = True  # type: ignore[attr-defined]
+    pool._quick_put = gated
+
+
+def _holder(request: Any) -> tuple[Any, tuple[int, int]] | None:
+    """The backend holding this request's delivery, and its ``(id, claim)``."""
+    message = getattr(request, "message", None)
+    tag = parse_shard_tag(getattr(message, "delivery_tag", None))
+    channel = getattr(message, "channel", None)
+    backend = channel.backend_at(tag[2]) if tag is not None and \
+        hasattr(channel, "backend_at") else None
+    return None if tag is None or backend is None else (backend, (tag[0], tag[1]))
+
+
+def _hand_back_unfinished() -> None:
+    """At the cold shutdown's cut-off (the first ``Request.cancel``), on a green pool: every
+    delivery whose run was not acked and did not succeed — running, or never started — goes
+    back to ready at once, uncounted (an interrupted run is not an attempt), and is no longer
+    renewed. Celery's ack of a run it cancels (a killed greenlet "returns") is suppressed
+    first, before anything yields, so no ack can land on a message handed back. A finished
+    run's ack flows as usual: the event loop still runs."""
+    from celery.worker import state as worker_state
+
+    by_backend: dict[int, tuple[Any, list[tuple[int, int]]]] = {}
+    for request in [*worker_state.active_requests, *worker_state.reserved_requests]:
+        if request.acknowledged or request.id in worker_state.successful_requests:
+            continue
+        found = _holder(request)
+        if found is None:
+            continue
+        request.acknowledged = True  # Celery will not ack it: it goes back
+        backend, pair = found
+        by_backend.setdefault(id(backend), (backend, []))[1].append(pair)
+    handed = 0
+    for backend, pairs in by_backend.values():
+        backend.settle(pairs, requeue=True, uncount=True)
+        backend.release(pairs)
+        handed += len(pairs)
+    log_event("pgjobs.run.stopped", task_id="*", job_id="*", why="shutdown",
+              how=f"{handed} handed back")
+
+
+def _green_terminate_job(original: Any) -> Any:
+    """gevent's/eventlet's ``terminate_job``, when Celery's cold shutdown cancels a run
+    (``Request.cancel``): the first call hands every unfinished delivery back
+    (:func:`_hand_back_unfinished`), then the run's greenlet is killed as before. A revoke's
+    terminate and the run listener's go straight to the pool's own."""
+
+    def terminate_job(pool: Any, pid: Any, signal: Any = None) -> None:
+        if sys._getframe(1).f_code.co_name == "cancel" and not _green_cut:
+            _green_cut.append(True)
+            try:
+                _hand_back_unfinished()
+            except Exception as exc:  # never stop the shutdown: the leases lapse then
+                log_event("pgjobs.run.stopped", task_id="*", job_id="*", why="shutdown",
+                          how=f"not handed back: {type(exc).__name__}: {exc}")
+        original(pool, pid, signal)
+
+    terminate_job._celery_ext_original = original  # type: ignore[attr-defined]
+    return terminate_job
+
+
+_signals_setitem = _platforms.Signals.__setitem__
+
+
+def _ready_green(sender: Any = None, **_: Any) -> None:
+    """``worker_ready`` of a gevent/eventlet worker: gate its task starts, and hand cut-off
+    deliveries back from its ``terminate_job`` (patched on the pool's class, once)."""
+    pool = getattr(sender, "pool", None)
+    pool_class = type(pool)
+    if pool is None or _green() is None or \
+            not pool_class.__module__.endswith(("gevent", "eventlet")):
+        return
+    _gate(pool)
+    if not hasattr(pool_class.terminate_job, "_celery_ext_original"):
+        pool_class.terminate_job = _green_terminate_job(pool_class.terminate_job)
+
+
 def start_stopping() -> None:
-    """Register the run listener, capture the worker's pool, and give the threads pool a
-    cold shutdown that ends (idempotent)."""
+    """Register the run listener, capture the worker's pool, give the threads pool a cold
+    shutdown that ends, and run the green pools' out of signal context (idempotent)."""
     from celery.concurrency import thread
 
     signals.worker_ready.connect(_worker_ready, weak=False, dispatch_uid="celery_ext.cancel")
+    signals.worker_ready.connect(_ready_green, weak=False, dispatch_uid="celery_ext.green")
     add_run_listener(_stop)
     thread.TaskPool.terminate_job = _threads_terminate_job  # type: ignore[method-assign]
+    _platforms.Signals.__setitem__ = _install_signal  # type: ignore[method-assign]
