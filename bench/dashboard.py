@@ -1,7 +1,16 @@
-"""Dashboard page times with 1,000,000 rows in the job table.
+"""Dashboard page times with 1,000,000 rows in the job table; or (``--history``) the on-call
+pages with 10,000,000 history rows.
 
     python -m bench.dashboard [--rows 1000000] [--waiting 100000] [--dead 20000]
                               [--requests 15] [--refill] [--json FILE] [--screenshots DIR]
+    python -m bench.dashboard --history 10000000 [--requests 40] [--keep] [--json FILE]
+
+``--history ROWS`` fills its own schema (``bench_dashboard_history``) with ROWS history rows
+over the last 7 days (50 tasks, INSERT ... SELECT over generate_series) and their per-minute
+rollups up to the last closed minute but one (the watermark there, as the keepers' rollup
+leaves it; the minutes since are the unrolled tail), times the tasks page's statement and its
+HTTP requests (every window, sorted by rate and by failure ratio), a task's page, the history
+search and the workers page, prints median/p95/max, and drops the schema.
 
 Fills schema ``bench_dashboard`` of database ``bench_dashboard`` (created when missing, through
 $BENCH_PG_ADMIN_DSN, default postgresql://postgres@127.0.0.1:5432/postgres) with --rows live
@@ -241,6 +250,114 @@ def screenshots(directory: str) -> None:
             conn.execute(f"UPDATE {s}.pgjobs_queue SET paused = false WHERE name = 'queue7'")
 
 
+#: the history scenario's own schema (dropped at the end unless --keep)
+HISTORY_SCHEMA = "bench_dashboard_history"
+#: --history rows spread over the last 7 days (the default retention), 50 tasks, each task's
+#: failure ratio its own (task k fails about 2k in 997), runtimes 0 to 10 s by task
+HISTORY_FILL = """
+INSERT INTO {s}.pgjobs_history (settled_at, job_id, claim, task, queue, tenant, outcome,
+                                runtime, attempts, worker)
+SELECT now() - (%(rows)s - g) * (interval '7 days' / %(rows)s), g, 1,
+       'app.task_' || lpad((g %% 50)::text, 2, '0'), 'queue' || (g %% 10),
+       'tenant-' || (g %% 2000),
+       CASE WHEN g %% 997 < (g %% 50) * 2 THEN 'failed'
+            WHEN g %% 1009 = 0 THEN 'requeued' ELSE 'completed' END,
+       ((g %% 1000) / 100.0 * (1 + (g %% 50) / 50.0))::real, 1,
+       'worker-' || (g %% 17) || '@bench:' || (1000 + g %% 17) || ':1'
+  FROM generate_series(1, %(rows)s) AS g
+"""
+#: the rollups of every closed minute but the last, as the keepers' rollup writes them (a
+#: minute's rows together, minute after minute: the table's order on disk is the keepers')
+HISTORY_ROLLUP = """
+INSERT INTO {s}.pgjobs_task_minute AS m
+       (task, minute, completed, failed, dropped, cancelled, requeued,
+        runtime_p50, runtime_p95, runtime_max)
+SELECT coalesce(h.task, ''), date_trunc('minute', h.settled_at),
+       count(*) FILTER (WHERE h.outcome = 'completed'),
+       count(*) FILTER (WHERE h.outcome = 'failed'),
+       count(*) FILTER (WHERE h.outcome = 'dropped'),
+       count(*) FILTER (WHERE h.outcome = 'cancelled'),
+       count(*) FILTER (WHERE h.outcome = 'requeued'),
+       percentile_cont(0.5) WITHIN GROUP (ORDER BY h.runtime),
+       percentile_cont(0.95) WITHIN GROUP (ORDER BY h.runtime),
+       max(h.runtime)
+  FROM {s}.pgjobs_history AS h
+ WHERE h.settled_at < date_trunc('minute', now()) - interval '1 minute'
+ GROUP BY 1, 2
+ ORDER BY 2, 1
+"""
+
+
+def _pct(times: list[float]) -> dict[str, float]:
+    times = sorted(times)
+    return {"median_ms": statistics.median(times),
+            "p95_ms": times[min(len(times) - 1, int(len(times) * 0.95))], "max_ms": times[-1]}
+
+
+def history_scenario(rows: int, requests: int, keep: bool) -> list[dict[str, Any]]:
+    """The tasks page with ``rows`` history rows: fill schema :data:`HISTORY_SCHEMA` (history
+    over 7 days, its rollups up to the last closed minute but one, the watermark there, as a
+    keeper leaves them), then time the tasks page's statement and HTTP requests (each window,
+    sorted two ways), a task's page and the history search; drop the schema."""
+    from kombu_pgjobs.dashboard.oncall import TAIL, WINDOWS
+    from kombu_pgjobs.dashboard.queries import queries
+
+    s = f'"{HISTORY_SCHEMA}"'
+    out: list[dict[str, Any]] = []
+    with psycopg.connect(DSN, autocommit=True) as conn:
+        conn.execute(f"DROP SCHEMA IF EXISTS {s} CASCADE")
+        migrate(conn, HISTORY_SCHEMA)
+        started = time.monotonic()
+        conn.execute(HISTORY_FILL.format(s=s), {"rows": rows})  # type: ignore[arg-type]
+        filled = time.monotonic()
+        conn.execute(HISTORY_ROLLUP.format(s=s))  # type: ignore[arg-type]
+        conn.execute(f"UPDATE {s}.pgjobs_rollup SET upto = date_trunc('minute', now()) "
+                     "- interval '1 minute'")
+        conn.execute(f"VACUUM ANALYZE {s}.pgjobs_history")
+        conn.execute(f"VACUUM ANALYZE {s}.pgjobs_task_minute")
+        n_rollups = conn.execute(f"SELECT count(*) FROM {s}.pgjobs_task_minute").fetchone()[0]
+        print(f"filled {rows:,} history rows in {filled - started:.1f} s, {n_rollups:,} "
+              f"rollups in {time.monotonic() - filled:.1f} s", file=sys.stderr)
+    try:
+        # the statement alone, on the dashboard's own session settings (jit, bitmap scans off)
+        with psycopg.connect(DSN, autocommit=True,
+                             options="-c jit=off -c enable_bitmapscan=off") as conn:
+            q = queries(HISTORY_SCHEMA)["dashboard_tasks"]
+            for window, (minutes, points) in WINDOWS.items():
+                for sort in ("rate", "failure"):
+                    params = {"minutes": minutes, "points": points, "tail": TAIL,
+                              "sort": sort, "descending": True, "limit": 500}
+                    conn.execute(q, params).fetchall()
+                    times = []
+                    for _ in range(requests):
+                        t = time.perf_counter()
+                        got = conn.execute(q, params).fetchall()
+                        times.append((time.perf_counter() - t) * 1000)
+                    assert len(got) == 50, len(got)
+                    out.append({"page": f"statement dashboard_tasks window={window} "
+                                        f"sort={sort}", **_pct(times)})
+        app = create_app(URL, schema=HISTORY_SCHEMA, pool_size=2)
+        paths = [f"/tasks?window={w}&sort={o}" for w in WINDOWS for o in ("rate", "failure")]
+        paths += ["/tasks/app.task_07", "/tasks/app.task_07?outcome=failed", "/history",
+                  "/history?tenant=tenant-42", "/history?task=app.task_07&outcome=failed",
+                  "/workers"]
+        with TestClient(app) as client:
+            for path in paths:
+                client.get(path)  # warm-up
+                times = []
+                for _ in range(requests):
+                    t = time.perf_counter()
+                    r = client.get(path)
+                    times.append((time.perf_counter() - t) * 1000)
+                    assert r.status_code == 200, (path, r.status_code, r.text[:300])
+                out.append({"page": f"GET {path}", **_pct(times)})
+    finally:
+        if not keep:
+            with psycopg.connect(DSN, autocommit=True) as conn:
+                conn.execute(f"DROP SCHEMA IF EXISTS {s} CASCADE")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.dashboard", description=__doc__)
     p.add_argument("--rows", type=int, default=1_000_000)
@@ -251,8 +368,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", metavar="FILE", help="also write the figures here")
     p.add_argument("--screenshots", metavar="DIR", help="then save the docs' screenshots here")
     p.add_argument("--refill", action="store_true")
+    p.add_argument("--history", type=int, metavar="ROWS",
+                   help="instead: the tasks page with ROWS history rows (10,000,000 for "
+                        "docs/benchmarks.md) in schema bench_dashboard_history, dropped after")
+    p.add_argument("--keep", action="store_true", help="with --history: keep the schema")
     args = p.parse_args(argv)
     ensure_database()
+    if args.history:
+        results = history_scenario(args.history, args.requests, args.keep)
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump({"history_rows": args.history, "pages": results}, fh, indent=2)
+        print(f"| {args.history:,} history rows (7 days, 50 tasks) | median ms | p95 ms "
+              "| max ms |")
+        print("|---|---:|---:|---:|")
+        for r in results:
+            print(f"| {r['page']} | {r['median_ms']:.1f} | {r['p95_ms']:.1f} "
+                  f"| {r['max_ms']:.1f} |")
+        return 0
     fill(args.rows, args.dead, args.waiting, args.refill)
     results = measure(args.requests)
     if args.json:

@@ -213,8 +213,13 @@ def routes(dash: Dashboard) -> list[BaseRoute]:
             return tasks(admin, window=window, sort=sort, descending=order == "desc")
 
         rows = await dash.run(read)
+        points = WINDOWS[window][1]
         for r in rows:
-            r["spark"] = sparkline(r["spark"] or [])
+            series = [0] * points
+            for i, n in zip(r["spark_at"] or [], r["spark_n"] or [], strict=True):
+                if 0 <= i < points:
+                    series[i] += int(n)
+            r["spark"] = sparkline(series)
         tail_rows = rows[0]["tail_rows"] if rows else 0
         rolled = rows[0]["rolled_upto"] if rows else None
         return dash.render(request, "tasks.html", {

@@ -14,7 +14,8 @@
 -- settles by outcome, the rate (settles per minute), the failure ratio (failed / settled
 -- without the requeued, as pgjobs stats), the runtime p50/p95 (the minutes' percentiles
 -- weighted by their settles: a rollup cannot merge them exactly) and max, and a sparkline of
--- %(points)s buckets of settles (oldest first). The rollups cover the minutes before the
+-- %(points)s buckets of settles (spark_at: the buckets with settles, 0 the oldest; spark_n:
+-- their settles). One pass over the minutes (per task and bucket), then one over its groups. The rollups cover the minutes before the
 -- watermark (pgjobs_rollup.upto); the minutes since are read from pgjobs_history, at most its
 -- %(tail)s newest rows (tail_rows says how many were read: equal to %(tail)s, the tail was
 -- cut). Sorted by %(sort)s (task, rate, failure, p50, p95, max), %(descending)s, then by task;
@@ -25,16 +26,18 @@ WITH bounds AS MATERIALIZED (
       FROM {schema}.pgjobs_rollup AS r
      WHERE r.id = 1
 ), tail AS MATERIALIZED (
+    -- (the bounds as scalar subqueries: index conditions, where a join would filter every row)
     SELECT h.task, h.settled_at, h.outcome, h.runtime
-      FROM {schema}.pgjobs_history AS h, bounds AS b
-     WHERE h.settled_at >= greatest(b.upto, b.start)
+      FROM {schema}.pgjobs_history AS h
+     WHERE h.settled_at >= (SELECT greatest(b.upto, b.start) FROM bounds AS b)
      ORDER BY h.settled_at DESC
      LIMIT %(tail)s
 ), minutes AS (
     SELECT m.task, m.minute, m.completed, m.failed, m.dropped, m.cancelled, m.requeued,
            m.runtime_p50, m.runtime_p95, m.runtime_max
-      FROM {schema}.pgjobs_task_minute AS m, bounds AS b
-     WHERE m.minute >= b.start AND m.minute < b.upto
+      FROM {schema}.pgjobs_task_minute AS m
+     WHERE m.minute >= (SELECT b.start FROM bounds AS b)
+       AND m.minute < (SELECT b.upto FROM bounds AS b)
     UNION ALL
     SELECT coalesce(t.task, ''), date_trunc('minute', t.settled_at),
            count(*) FILTER (WHERE t.outcome = 'completed'),
@@ -47,6 +50,26 @@ WITH bounds AS MATERIALIZED (
            max(t.runtime)
       FROM tail AS t
      GROUP BY 1, 2
+), per AS (
+    -- one pass over the minutes: per task and sparkline bucket
+    SELECT mi.task,
+           least(%(points)s::int - 1,
+                 (date_part('epoch', mi.minute - b.start) / 60)::int
+                     / ((%(minutes)s::int + %(points)s::int - 1) / %(points)s::int)) AS i,
+           sum(mi.completed) AS completed, sum(mi.failed) AS failed,
+           sum(mi.dropped) AS dropped, sum(mi.cancelled) AS cancelled,
+           sum(mi.requeued) AS requeued,
+           sum(mi.runtime_p50 * (mi.completed + mi.failed + mi.dropped + mi.cancelled
+                                 + mi.requeued)) AS w50,
+           sum(mi.completed + mi.failed + mi.dropped + mi.cancelled + mi.requeued)
+               FILTER (WHERE mi.runtime_p50 IS NOT NULL) AS n50,
+           sum(mi.runtime_p95 * (mi.completed + mi.failed + mi.dropped + mi.cancelled
+                                 + mi.requeued)) AS w95,
+           sum(mi.completed + mi.failed + mi.dropped + mi.cancelled + mi.requeued)
+               FILTER (WHERE mi.runtime_p95 IS NOT NULL) AS n95,
+           max(mi.runtime_max) AS runtime_max
+      FROM minutes AS mi, bounds AS b
+     GROUP BY 1, 2
 ), totals AS (
     SELECT task, sum(completed)::bigint AS completed, sum(failed)::bigint AS failed,
            sum(dropped)::bigint AS dropped, sum(cancelled)::bigint AS cancelled,
@@ -54,29 +77,15 @@ WITH bounds AS MATERIALIZED (
            sum(completed + failed + dropped + cancelled + requeued)::bigint AS settled,
            (sum(failed) / nullif(sum(completed + failed + dropped + cancelled), 0))::float8
                AS failure_ratio,
-           (sum(runtime_p50 * (completed + failed + dropped + cancelled + requeued))
-              / nullif(sum(completed + failed + dropped + cancelled + requeued)
-                       FILTER (WHERE runtime_p50 IS NOT NULL), 0))::float8 AS runtime_p50,
-           (sum(runtime_p95 * (completed + failed + dropped + cancelled + requeued))
-              / nullif(sum(completed + failed + dropped + cancelled + requeued)
-                       FILTER (WHERE runtime_p95 IS NOT NULL), 0))::float8 AS runtime_p95,
-           max(runtime_max)::float8 AS runtime_max
-      FROM minutes
+           (sum(w50) / nullif(sum(n50), 0))::float8 AS runtime_p50,
+           (sum(w95) / nullif(sum(n95), 0))::float8 AS runtime_p95,
+           max(runtime_max)::float8 AS runtime_max,
+           -- the sparkline: the buckets with settles (the page fills the others with 0)
+           array_agg(i ORDER BY i) AS spark_at,
+           array_agg((completed + failed + dropped + cancelled + requeued)::bigint
+                     ORDER BY i) AS spark_n
+      FROM per
      GROUP BY task
-), buckets AS (
-    SELECT mi.task,
-           least(%(points)s::int - 1,
-                 (extract(epoch FROM mi.minute - b.start) / 60)::int
-                     / ceil(%(minutes)s::numeric / %(points)s::int)::int) AS i,
-           sum(mi.completed + mi.failed + mi.dropped + mi.cancelled + mi.requeued)::bigint AS n
-      FROM minutes AS mi, bounds AS b
-     GROUP BY 1, 2
-), spark AS (
-    SELECT t.task, array_agg(coalesce(k.n, 0) ORDER BY g.i) AS spark
-      FROM totals AS t
-     CROSS JOIN generate_series(0, %(points)s::int - 1) AS g(i)
-      LEFT JOIN buckets AS k ON k.task = t.task AND k.i = g.i
-     GROUP BY t.task
 ), ranked AS (
     SELECT t.*, t.settled::float8 / %(minutes)s::int AS rate,
            CASE %(sort)s WHEN 'rate' THEN t.settled::float8
@@ -88,11 +97,10 @@ WITH bounds AS MATERIALIZED (
 )
 SELECT r.task, r.completed, r.failed, r.dropped, r.cancelled, r.requeued, r.settled, r.rate,
        r.failure_ratio, r.runtime_p50, r.runtime_p95, r.runtime_max,
-       sp.spark,
+       r.spark_at, r.spark_n,
        (SELECT count(*) FROM tail)::int AS tail_rows,
        (SELECT b.upto FROM bounds AS b) AS rolled_upto
   FROM ranked AS r
-  JOIN spark AS sp ON sp.task = r.task
  ORDER BY CASE WHEN %(descending)s::bool THEN r.sort_key END DESC NULLS LAST,
           CASE WHEN NOT %(descending)s::bool THEN r.sort_key END ASC NULLS LAST,
           CASE WHEN %(sort)s = 'task' AND %(descending)s::bool THEN r.task END DESC,
