@@ -4,12 +4,13 @@
 
 Each round publishes the same group of ``--n`` no-op signatures once per path, every path in
 a fresh ``python -m bench.groups publish`` subprocess (no shared imports, pools or threads),
-paths interleaved round after round, so each ratio compares figures taken seconds apart. The
-clock runs from ``group(...)`` to the producer's connections closed (every broker holds every
-message by then), as in ``python -m bench``'s batch row; the queue is declared on the
-producer's connection before the clock starts (a process that has published before). After
-the clock stops, the queue is purged through a new connection and the count removed must be
-``--n`` for pgjobs (else the run fails: exit status 1).
+paths interleaved round after round (in reverse order every second round), so each ratio
+compares figures taken seconds apart. The clock runs from ``group(...)`` to the producer's
+connections closed (every broker holds every message by then), as in ``python -m bench``'s
+batch row; the queue is declared on the producer's connection before the clock starts (a
+process that has published before). After the clock stops, the queue is purged through a new
+connection and the count removed must be ``--n`` for pgjobs (else the run fails: exit
+status 1).
 
 Paths (``--paths``):
 
@@ -23,7 +24,10 @@ Paths (``--paths``):
 ``redis``         Redis.
 
 Reported: each path's tasks/s per round, and ``pgjobs`` over ``memory``, ``amqp`` and
-``redis`` within each round (the per-round minimum is the figure that counts). Brokers use
+``redis`` within each round (the per-round minimum is the figure that counts); then the
+publishing process's own CPU time per signature (``time.process_time()`` over the same
+window), which a busy machine disturbs far less than wall time (the broker's CPU is not in it:
+pgjobs's INSERT runs in its server, RabbitMQ's and Redis's work in theirs). Brokers use
 their ``python -m bench`` URLs (``BENCH_<NAME>_URL``); pgjobs works in its own schema
 (``bench_groups``) and every path in the queue ``bench_groups``, so a concurrent
 ``python -m bench`` is not disturbed. A path whose broker cannot be reached is skipped.
@@ -95,7 +99,7 @@ def publish(path: str, n: int) -> dict[str, Any]:
         producer.connection.ensure_connection(max_retries=1, timeout=10)
         producer.maybe_declare(app.amqp.queues[QUEUE])
     signatures = [noop.s(i) for i in range(n)]
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     if explicit:
         import kombu_pgjobs
 
@@ -104,10 +108,11 @@ def publish(path: str, n: int) -> dict[str, Any]:
     else:
         group(signatures, app=app).apply_async()
     app.pool.force_close_all()
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     # memory:// lives in this process only: its purge sees what the group put there
     landed = purge()
-    return {"path": path, "n": n, "seconds": seconds, "rate": n / seconds, "landed": landed}
+    return {"path": path, "n": n, "seconds": seconds, "rate": n / seconds, "cpu": cpu,
+            "landed": landed}
 
 
 def _run_child(path: str, n: int, timeout: float) -> dict[str, Any]:
@@ -163,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     failed = False
     for r in range(1, rounds + 1):
         row: dict[str, dict[str, Any]] = {}
-        for path in live:
+        for path in live if r % 2 else live[::-1]:  # no path always first after a pause
             res = _run_child(path, n, args.timeout)
             if "error" not in res and PATHS[path][0] == "pgjobs" and res.get("landed") != n:
                 res["error"] = f"{res.get('landed')} of {n} messages in the queue after publish"
@@ -209,6 +214,11 @@ def _report(table: list[dict[str, dict[str, Any]]], paths: list[str], skipped: d
         if qs and "pgjobs" in paths:
             print(f"pgjobs/{x}: min {min(qs):.2f}x, median {statistics.median(qs):.2f}x, "
                   f"max {max(qs):.2f}x")
+    cpu = {x: [row[x]["cpu"] * 1000 / n for row in table if "cpu" in row.get(x, {})]
+           for x in paths}
+    print("publisher CPU per signature (µs, median of the rounds; the broker's own CPU not "
+          "included): " + ", ".join(f"{x} {statistics.median(v) * 1000:.0f}"
+                                    for x, v in cpu.items() if v))
     for path, reason in skipped.items():
         print(f"{path}: skipped ({reason})")
 
