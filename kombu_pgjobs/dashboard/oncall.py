@@ -236,7 +236,7 @@ def routes(dash: Dashboard) -> list[BaseRoute]:
             dash.need(admin, 25, "the task page")
             items = dicts(admin.conn, queries(admin.schema)["dashboard_task_history"], {
                 "task": name, "outcome": outcome, "before": before, "before_id": before_id,
-                "n": PAGE + 1})
+                "n": PAGE + 1, "scan": SCAN})
             summary = [r for r in tasks(admin, window="1h") if r["task"] == name]
             return {"items": items, "summary": summary[0] if summary else None}
 
@@ -246,8 +246,10 @@ def routes(dash: Dashboard) -> list[BaseRoute]:
         items = items[:PAGE]
         nxt = ({"before": items[-1]["settled_at"].isoformat(),
                 "before_id": items[-1]["job_id"]} if more else None)
+        scanned = items[0]["scanned"] if items else 0
         return dash.render(request, "task.html", {
             "name": name, "items": items, "next": nxt, "outcome": outcome,
+            "scan_cut": scanned >= SCAN and not more, "scan": SCAN,
             "outcomes": OUTCOMES, "s": data["summary"],
             "dead_ids": [r["dead_id"] for r in items if r["dead_id"] is not None]})
 

@@ -108,18 +108,35 @@ SELECT r.task, r.completed, r.failed, r.dropped, r.cancelled, r.requeued, r.sett
  LIMIT %(limit)s;
 
 -- name: dashboard_task_history :many
--- A task's page: its settled deliveries, newest first (pgjobs_history_task_idx backwards), of
--- one outcome or any (%(outcome)s NULL), before the cursor (%(before)s, %(before_id)s: the
--- last row of the previous page; NULL: now), %(n)s of them. Each with the dead letter that
--- kept its failure, if there is one: the transport's keeps the message's id
+-- A task's page: its settled deliveries, newest first (pgjobs_history_task_idx backwards),
+-- before the cursor (%(before)s, %(before_id)s: the last row of the previous page; NULL: now):
+-- of its %(scan)s newest, the first %(n)s of one outcome or any (%(outcome)s NULL); scanned
+-- says how many were read (equal to %(scan)s: the page stopped there). Each with the dead
+-- letter that kept its failure, if there is one: the transport's keeps the message's id
 -- (pgjobs_dead_letter_pkey), celery_ext's copy has its own id and names the job in
 -- error ->> 'job_id' (pgjobs_dead_letter_job_id_idx); and whether the message is live again
 -- (a requeued dead letter keeps its id).
+WITH cand AS MATERIALIZED (
+    SELECT h.*
+      FROM {schema}.pgjobs_history AS h
+     WHERE h.task = %(task)s
+       AND h.settled_at <= coalesce(%(before)s::timestamptz, 'infinity')
+       AND (%(before)s::timestamptz IS NULL OR h.settled_at < %(before)s::timestamptz
+            OR h.job_id < %(before_id)s::bigint)
+     ORDER BY h.settled_at DESC, h.job_id DESC
+     LIMIT %(scan)s
+), hits AS (
+    SELECT c.* FROM cand AS c
+     WHERE %(outcome)s::text IS NULL OR c.outcome = %(outcome)s
+     ORDER BY c.settled_at DESC, c.job_id DESC
+     LIMIT %(n)s
+)
 SELECT h.settled_at, h.job_id, h.claim, h.task, h.queue, h.tenant, h.outcome, h.runtime,
        h.attempts, h.worker, d.id AS dead_id, d.error ->> 'type' AS error_type,
        d.error ->> 'message' AS error_message, d.reason AS dead_reason,
-       (SELECT j.state FROM {schema}.pgjobs_job AS j WHERE j.id = h.job_id) AS live_state
-  FROM {schema}.pgjobs_history AS h
+       (SELECT j.state FROM {schema}.pgjobs_job AS j WHERE j.id = h.job_id) AS live_state,
+       (SELECT count(*) FROM cand)::int AS scanned
+  FROM hits AS h
   LEFT JOIN LATERAL (
         SELECT x.id, x.error, x.reason FROM (
             (SELECT x1.id, x1.error, x1.reason, 0 AS pref
@@ -130,13 +147,7 @@ SELECT h.settled_at, h.job_id, h.claim, h.task, h.queue, h.tenant, h.outcome, h.
               WHERE x2.error ? 'job_id' AND x2.error ->> 'job_id' = h.job_id::text
               ORDER BY x2.id DESC LIMIT 1)) AS x
          ORDER BY x.pref LIMIT 1) AS d ON h.outcome IN ('failed', 'dropped', 'cancelled')
- WHERE h.task = %(task)s
-   AND (%(outcome)s::text IS NULL OR h.outcome = %(outcome)s)
-   AND h.settled_at <= coalesce(%(before)s::timestamptz, 'infinity')
-   AND (%(before)s::timestamptz IS NULL OR h.settled_at < %(before)s::timestamptz
-        OR h.job_id < %(before_id)s::bigint)
- ORDER BY h.settled_at DESC, h.job_id DESC
- LIMIT %(n)s;
+ ORDER BY h.settled_at DESC, h.job_id DESC;
 
 -- name: dashboard_history_search :many
 -- The history search: of the %(scan)s newest deliveries settled in [%(since)s, %(until)s)
