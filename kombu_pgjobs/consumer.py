@@ -139,6 +139,9 @@ class ConsumerLoop:
         self.again = False  # a claim held rows back by a limit: claim again at once
         self.woken = False  # a notification came in with a statement's result
         self.due_at: float | None = None
+        # when the queues handed a message (Waits.rearm) are claimed, so registered, again:
+        # those queues only (the others are still armed: a claim of them is a wasted trip)
+        self.rearm_at: float | None = None
         self.next_poll = 0.0
         self._ack_listener = False
         # after a failure: no claim before retry_at; the backoff doubles while failures last
@@ -370,7 +373,9 @@ class ConsumerLoop:
             # The claim that registers the queue again waits a moment: sent at once, it takes
             # the database's CPU while the task it just got starts (measured: a prefork
             # child started 2.4 ms after the hand-off, against 1 ms with the claim later).
-            self._due(time.monotonic() + REARM_DELAY)
+            at = time.monotonic() + REARM_DELAY
+            if self.rearm_at is None or at < self.rearm_at:
+                self.rearm_at = at
         elif queue in consumed:  # a dropped registration's wake-up is passed on, not claimed
             self.dirty.add(queue)
         self.woken = True
@@ -745,6 +750,9 @@ class ConsumerLoop:
         if self.due_at is not None and now >= self.due_at:
             self.due_at = None
             self.dirty.update(self.consumed())
+        if self.rearm_at is not None and now >= self.rearm_at:
+            self.rearm_at = None
+            self.dirty.update(self.waits.rearm.intersection(self.consumed()))
         age = self.backend.oldest_ack_age()
         acks_due = age is not None and age >= self.options.ack_flush_interval
         channels = list(transport.channels)
@@ -813,6 +821,8 @@ class ConsumerLoop:
         wait = self.next_poll - now
         if self.due_at is not None:
             wait = min(wait, self.due_at - now)
+        if self.rearm_at is not None:
+            wait = min(wait, self.rearm_at - now)
         age = self.backend.oldest_ack_age()
         if age is not None and self.inflight is None:  # a claim's result wakes us anyway
             wait = min(wait, self.options.ack_flush_interval - age)
