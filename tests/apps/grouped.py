@@ -1,7 +1,8 @@
 """A celery_ext app with a result backend, for tests/test_group_batch.py: groups and chords
 published as one batch. Results go to Celery's database backend in the test's schema (chords
 wait with ``celery.chord_unlock``, published with the header). Environment as
-tests/apps/recorder.py; ``PGJOBS_TEST_PLAIN=1`` leaves celery_ext out (Celery's own group)."""
+tests/apps/recorder.py; ``PGJOBS_TEST_PLAIN=1`` leaves celery_ext out (Celery's own group), and
+``PGJOBS_TEST_RESULT`` names another result backend (Redis: chords join natively)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ if os.environ.get("PGJOBS_TEST_PLAIN") != "1":
     celery_ext.install(app)
 app.conf.update(settings(
     task_ignore_result=False,
-    result_backend="db+" + common.dsn().replace("postgresql://", "postgresql+psycopg://", 1),
+    result_backend=os.environ.get("PGJOBS_TEST_RESULT") or (
+        "db+" + common.dsn().replace("postgresql://", "postgresql+psycopg://", 1)),
     database_table_schemas={"task": SCHEMA, "group": SCHEMA},
     result_extended=False,
 ))
