@@ -137,6 +137,7 @@ class ConsumerLoop:
         # stay for good, and wake an idle loop every second: wait_budget)
         self.dirty: set[str] = set()
         self.again = False  # a claim held rows back by a limit: claim again at once
+        self.handed_delivered = 0  # of the last pump's deliveries, those handed off
         self.woken = False  # a notification came in with a statement's result
         self.due_at: float | None = None
         # when the queues handed a message (Waits.rearm) are claimed, so registered, again:
@@ -671,6 +672,7 @@ class ConsumerLoop:
                 delivered += self.deliver([row])
         finally:  # a consumer's callback raised: the rows not delivered go back too
             self._hand_back(back + rows)
+            self.handed_delivered += delivered
         return delivered
 
     def _return_handed(self) -> None:
@@ -708,6 +710,7 @@ class ConsumerLoop:
 
     def _pump_once(self, on_hub: bool) -> int:
         self.again = False
+        self.handed_delivered = 0
         # First, as they need no statement (even when broken); but never while a claim is in
         # flight: its rows count against the window first (_pump delivers these after them).
         handed = self._deliver_handed() if self.inflight is None else 0
@@ -911,10 +914,12 @@ class ConsumerLoop:
         self.read_wakeups()
         delivered = self.pump(on_hub=True)
         self.hub_rearm()
-        if delivered or self.again:
+        if delivered > self.handed_delivered or self.again or self.handed:
             # More may be waiting: keep draining. A byte on the self-pipe, not call_soon: the
             # Hub runs what call_soon queued only after its next poll(), which waits for a
-            # timer (up to a second) when no socket is readable.
+            # timer (up to a second) when no socket is readable. Not after hand-offs alone:
+            # each announced one message, all taken, and a pass of the loop now would hold
+            # the Hub (and the GIL) while the task it just got starts.
             self.poke()
             return
         now = time.monotonic()
