@@ -360,3 +360,42 @@ def test_workers_page_shows_node_leases_and_throughput(core, db, client, schema)
     assert truth == 10
     assert f'data-col="rate">{10 / 5}<' in row
     assert '<td class="n">1</td>' in row  # the lease it holds
+
+
+def test_tasks_and_workers_pages_span_a_shard_map(core, db, schema, url, second_database):
+    """With a shard map the tasks page sums each task over every database (read back from
+    each database's history) and the workers page lists each database's workers."""
+    ack(core, db, "shop", "shop.charge", 3)
+    bury(core, db, "shop", "shop.charge")
+    other_dsn = psycopg.conninfo.make_conninfo(db.info.dsn, dbname=second_database.rsplit(
+        "/", 1)[1])
+    with psycopg.connect(other_dsn, autocommit=True) as db2:
+        migrate(db2, schema)
+        far = QueueCore(schema, lease_ttl=30, max_attempts=20, worker="far@host:88:1")
+        ack(far, db2, "b.mail", "shop.charge", 4)
+        ack(far, db2, "b.mail", "mail.send", 2)
+        publish(far, db2, "b.mail")
+        claim(far, db2, "b.mail", 1)
+        truth2 = dict(db2.execute(f'SELECT task, count(*) FROM "{schema}".pgjobs_history '
+                                  "GROUP BY 1").fetchall())
+    truth1 = dict(db.execute(f'SELECT task, count(*) FROM "{schema}".pgjobs_history '
+                             "GROUP BY 1").fetchall())
+    assert truth1 == {"shop.charge": 4} and truth2 == {"shop.charge": 4, "mail.send": 2}
+    app = create_app(url, schema=schema, pool_size=2, shards={"b.*": second_database})
+    try:
+        c = TestClient(app)
+        page = c.get("/tasks?window=5m&sort=failure").text
+        rows = table_rows(page)
+        assert rows["shop.charge"]["settled"] == "8" and rows["shop.charge"]["failed"] == "1"
+        assert rows["shop.charge"]["failure"] == "12.5%"
+        assert rows["mail.send"]["settled"] == "2" and rows["mail.send"]["failure"] == "0.0%"
+        assert order_of(page) == ["shop.charge", "mail.send"]
+        assert "pgjobs_test_shard2" in page  # the databases it spans are named
+        workers = c.get("/workers").text
+        assert re.search(r'data-worker="far@host:88:1" data-shard="[^"]*pgjobs_test_shard2"',
+                         workers)
+        row = re.search(r'data-worker="far@host:88:1".*?</tr>', workers, re.S).group(0)
+        assert '<td class="n">1</td>' in row  # its lease, held in the second database
+        assert f'data-col="rate">{6 / 5}<' in row
+    finally:
+        app.state.dashboard.close()

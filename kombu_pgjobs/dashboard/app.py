@@ -57,6 +57,10 @@ from ..errors import (
 )
 from ..options import TransportOptions, validate_schema_name
 from ..schema import current_version
+from ..shardmap import DEFAULT as SHARD_DEFAULT
+from ..shardmap import parse as parse_shard_map
+from ..shardmap import shard_label
+from ..url import parse as parse_url
 from .security import CSRF_COOKIE, SESSION_COOKIE, Guard, Session
 
 __all__ = ["Dashboard", "create_app"]
@@ -169,6 +173,9 @@ class Dashboard:
     #: the schema version last read by :meth:`need` (a feature's page reads it until the
     #: schema is new enough, then trusts it)
     _version: int = field(default=0, init=False)
+    #: with a shard map: (label, dashboard of that database) for the default database (this
+    #: one) and each database of the map; the pages that span the map read each (:meth:`each`)
+    shards: list[tuple[str, Dashboard]] = field(default_factory=list, init=False)
 
     def __post_init__(self) -> None:
         env = Environment(loader=FileSystemLoader(HERE / "templates"),
@@ -189,10 +196,20 @@ class Dashboard:
             return self._pool
 
     def close(self) -> None:
+        for _, other in self.shards:
+            if other is not self:
+                other.close()
         with self._lock:
             if self._pool is not None:
                 self._pool.close()
                 self._pool = None
+
+    async def each(self, fn: Callable[[Admin], T]) -> list[tuple[str | None, T]]:
+        """``fn(admin)`` on every database of the shard map, the default one first, as
+        (label, result); without a map, on this database only (label None)."""
+        if not self.shards:
+            return [(None, await self.run(fn))]
+        return [(label, await other.run(fn)) for label, other in self.shards]
 
     def _run(self, fn: Callable[[Admin], T]) -> T:
         try:
@@ -360,7 +377,8 @@ def create_app(dsn: str, *, schema: str = "pgjobs", write: bool = False,
                token: str | None = None, read_token: str | None = None,
                allowed_hosts: Sequence[str] | None = None, secure_cookies: bool | None = None,
                secret: bytes | None = None, pool_size: int = 4,
-               count_bound: int = COUNT_BOUND, debug: bool = False) -> Starlette:
+               count_bound: int = COUNT_BOUND, debug: bool = False,
+               shards: Any = None) -> Starlette:
     """The dashboard for the pgjobs ``schema`` of the database at ``dsn`` (a pgjobs:// or
     postgresql:// URL). Read-only unless ``write`` is true, which needs ``token`` (the write
     token): the operator signs in with it, or scripts send it as a bearer token.
@@ -374,7 +392,10 @@ def create_app(dsn: str, *, schema: str = "pgjobs", write: bool = False,
     ``count_bound``: the overview's counts are exact up to this many per queue and state.
     ``secret`` keys the sign-in form's CSRF token (default: derived from the tokens, so every
     process given the same tokens agrees). Sessions live in this process (see
-    :mod:`.security`)."""
+    :mod:`.security`). ``shards``: the transport's shard map (a mapping or its JSON, as
+    ``pgjobs --shards``): the tasks and workers pages then span every database it names (the
+    map's URLs take ``dsn``'s user and password where they give none, as the transport does);
+    the other pages show the database of ``dsn``."""
     from . import actions, oncall, pages, schedules, webhooks
 
     validate_schema_name(schema)
@@ -392,6 +413,24 @@ def create_app(dsn: str, *, schema: str = "pgjobs", write: bool = False,
         conninfo, options=f"{startup} -c jit=off -c enable_bitmapscan=off".strip())
     dash = Dashboard(conninfo=conninfo, schema=schema, guard=guard, pool_size=pool_size,
                      count_bound=count_bound, secure_cookies=secure_cookies)
+    shardmap = parse_shard_map(shards)
+    if shardmap is not None:
+        options = TransportOptions(schema=schema, statement_timeout=STATEMENT_TIMEOUT,
+                                   application_name=f"pgjobs-dashboard:{schema}")
+        base = parse_url(dsn)
+        dash.shards = [(SHARD_DEFAULT, dash)]
+        seen = {conninfo}
+        for shard_url in shardmap.urls:
+            other = conninfo_from_url(shard_url, options, user=base.user, password=base.password)
+            other = make_conninfo(
+                other, options=f"{conninfo_to_dict(other).get('options') or ''} -c jit=off "
+                               "-c enable_bitmapscan=off".strip())
+            if other in seen:
+                continue
+            seen.add(other)
+            dash.shards.append((shard_label(shard_url), Dashboard(
+                conninfo=other, schema=schema, guard=guard, pool_size=pool_size,
+                count_bound=count_bound, secure_cookies=secure_cookies)))
 
     async def on_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, PgJobsError)

@@ -112,7 +112,7 @@ def cmd_dashboard(args: argparse.Namespace) -> None:
         raise DashboardNotInstalled(
             f"the dashboard needs its extra ({exc.name} is missing): "
             "pip install 'kombu-pgjobs[dashboard]'") from None
-    from ..cli import DSN_ENV, _admin
+    from ..cli import DSN_ENV, _admin, _shard_map
 
     with _admin(args):  # a database is given, the schema is there and recent enough
         pass
@@ -120,7 +120,8 @@ def cmd_dashboard(args: argparse.Namespace) -> None:
     hosts = allowed_hosts(args.bind, args.allowed_host)
     app: Any = create_app(url, schema=args.schema, write=args.write, token=token,
                           read_token=read_token, allowed_hosts=hosts,
-                          secure_cookies=True if args.secure_cookies else None)
+                          secure_cookies=True if args.secure_cookies else None,
+                          shards=_shard_map(args))
     if args.public_read and not loopback:
         log.warning("pgjobs.dashboard.public_read on %s: anyone who reaches it reads %s",
                     args.bind, PUBLIC_READ_EXPOSES, extra={"action": "dashboard"})
@@ -182,6 +183,9 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--secure-cookies", action="store_true",
                    help="set Secure on every cookie (TLS ends before the dashboard, and the "
                         "proxy sends no X-Forwarded-Proto)")
+    p.add_argument("--shards", metavar="JSON|@FILE",
+                   help="shard map (the transport's shards option; default $PGJOBS_SHARDS): "
+                        "the tasks and workers pages span every database it names")
     p.add_argument("--root-path", default="", metavar="PREFIX",
                    help="the path prefix a reverse proxy serves the dashboard under")
     p.add_argument("--log-level", default="warning",

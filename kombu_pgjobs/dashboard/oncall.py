@@ -107,6 +107,57 @@ def tasks(admin: Admin, *, window: str = "1h", sort: str = "rate", descending: b
         "descending": bool(descending), "limit": int(limit)})
 
 
+def _series(row: dict[str, Any], points: int) -> list[int]:
+    """A task row's sparkline, every bucket (the statement lists those with settles)."""
+    series = [0] * points
+    for i, n in zip(row["spark_at"] or [], row["spark_n"] or [], strict=True):
+        if 0 <= i < points:
+            series[i] += int(n)
+    return series
+
+
+def merge_tasks(found: list[tuple[str | None, list[dict[str, Any]]]], *, minutes: int,
+                points: int, sort: str, descending: bool, limit: int) -> list[dict[str, Any]]:
+    """The tasks page over a shard map: each task's rows of every database summed (counts,
+    sparkline), its failure ratio recomputed, its runtime percentiles weighted by each
+    database's settles (as the rollups' minutes are), its max the max; sorted as the
+    statement sorts (NULLs last, then by task)."""
+    merged: dict[str, dict[str, Any]] = {}
+    for label, rows in found:
+        for r in rows:
+            m = merged.setdefault(r["task"], {
+                "task": r["task"], "completed": 0, "failed": 0, "dropped": 0, "cancelled": 0,
+                "requeued": 0, "settled": 0, "runtime_max": None, "series": [0] * points,
+                "w50": 0.0, "n50": 0, "w95": 0.0, "n95": 0, "shards": []})
+            for k in ("completed", "failed", "dropped", "cancelled", "requeued", "settled"):
+                m[k] += int(r[k])
+            m["shards"].append(label)
+            for q in ("50", "95"):
+                if r[f"runtime_p{q}"] is not None:
+                    m[f"w{q}"] += r[f"runtime_p{q}"] * int(r["settled"])
+                    m[f"n{q}"] += int(r["settled"])
+            if r["runtime_max"] is not None:
+                m["runtime_max"] = max(m["runtime_max"] or 0.0, r["runtime_max"])
+            m["series"] = [a + b for a, b in zip(m["series"], _series(r, points), strict=True)]
+    out = []
+    for m in merged.values():
+        counted = m["settled"] - m["requeued"]
+        m["rate"] = m["settled"] / minutes
+        m["failure_ratio"] = m["failed"] / counted if counted else None
+        m["runtime_p50"] = m["w50"] / m["n50"] if m["n50"] else None
+        m["runtime_p95"] = m["w95"] / m["n95"] if m["n95"] else None
+        m["spark"] = sparkline(m["series"])
+        out.append(m)
+    key = {"rate": "settled", "failure": "failure_ratio", "p50": "runtime_p50",
+           "p95": "runtime_p95", "max": "runtime_max"}.get(sort)
+    out.sort(key=lambda m: m["task"], reverse=sort == "task" and descending)
+    if key is not None:  # stable: ties stay in task order; NULLs last either way
+        present = [m for m in out if m[key] is not None]
+        present.sort(key=lambda m: m[key], reverse=descending)
+        out = present + [m for m in out if m[key] is None]
+    return out[:limit]
+
+
 def _json_value(text: str | None, kind: type, name: str) -> Any:
     if text is None:
         return None
@@ -212,20 +263,23 @@ def routes(dash: Dashboard) -> list[BaseRoute]:
             dash.need(admin, 25, "the tasks page")
             return tasks(admin, window=window, sort=sort, descending=order == "desc")
 
-        rows = await dash.run(read)
-        points = WINDOWS[window][1]
-        for r in rows:
-            series = [0] * points
-            for i, n in zip(r["spark_at"] or [], r["spark_n"] or [], strict=True):
-                if 0 <= i < points:
-                    series[i] += int(n)
-            r["spark"] = sparkline(series)
-        tail_rows = rows[0]["tail_rows"] if rows else 0
-        rolled = rows[0]["rolled_upto"] if rows else None
+        found = await dash.each(read)
+        minutes, points = WINDOWS[window]
+        cut = [label or "" for label, rows in found
+               if rows and rows[0]["tail_rows"] >= TAIL]
+        rolled = min((rows[0]["rolled_upto"] for _, rows in found if rows), default=None)
+        if len(found) == 1:
+            rows = found[0][1]
+            for r in rows:
+                r["spark"] = sparkline(_series(r, points))
+        else:  # every database of the shard map: one row per task, sorted here
+            rows = merge_tasks(found, minutes=minutes, points=points, sort=sort,
+                               descending=order == "desc", limit=TASKS)
         return dash.render(request, "tasks.html", {
             "rows": rows, "window": window, "windows": WINDOWS, "sort": sort, "dir": order,
-            "sorts": SORTS, "tail_cut": tail_rows >= TAIL, "tail": TAIL, "rolled": rolled,
-            "minutes": WINDOWS[window][0], "limit": TASKS})
+            "sorts": SORTS, "tail_cut": bool(cut), "tail": TAIL, "rolled": rolled,
+            "minutes": minutes, "limit": TASKS,
+            "shards": [label for label, _ in found] if len(found) > 1 else []})
 
     async def task_page(request: Request) -> Response:
         name = request.path_params["name"]
@@ -307,18 +361,22 @@ def routes(dash: Dashboard) -> list[BaseRoute]:
                             {"minutes": minutes})
             return {"rows": rows, "settles": settles}
 
-        data = await dash.run(read)
-        per: dict[str, dict[str, int]] = {}
-        for s in data["settles"]:
-            per.setdefault(s["worker"], {})[s["outcome"]] = int(s["n"])
-        for w in data["rows"]:
-            w["node"], w["process"] = node_of(w["worker"])
-            mine = per.get(w["worker"], {})
-            w["settled"] = sum(mine.values())
-            w["rate"] = round(w["settled"] / minutes, 2)
-            w["failed"] = mine.get("failed", 0) + mine.get("dead", 0)
-        return dash.render(request, "workers.html", {"workers": data["rows"],
-                                                     "minutes": minutes})
+        found = await dash.each(read)
+        rows = []
+        for label, data in found:  # every database of a shard map: a worker settles on each
+            per: dict[str, dict[str, int]] = {}
+            for s in data["settles"]:
+                per.setdefault(s["worker"], {})[s["outcome"]] = int(s["n"])
+            for w in data["rows"]:
+                w["shard"] = label
+                w["node"], w["process"] = node_of(w["worker"])
+                mine = per.get(w["worker"], {})
+                w["settled"] = sum(mine.values())
+                w["rate"] = round(w["settled"] / minutes, 2)
+                w["failed"] = mine.get("failed", 0) + mine.get("dead", 0)
+                rows.append(w)
+        return dash.render(request, "workers.html", {
+            "workers": rows, "minutes": minutes, "sharded": len(found) > 1})
 
     return [
         Route("/tasks", task_list, name="tasks"),
