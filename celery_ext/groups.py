@@ -50,6 +50,7 @@ T = TypeVar("T")
 _local = threading.local()
 _installed_lock = threading.Lock()
 _originals: dict[str, Callable[..., Any]] = {}
+_NOTE = "celery_ext: nothing of this"
 
 
 def once_per_group(conf: Any, read: Callable[[Any], T]) -> T:
@@ -107,9 +108,10 @@ def _batched(what: str, size: str) -> Iterator[None]:
         with batch():
             yield
     except Exception as exc:
-        if hasattr(exc, "add_note"):  # Python 3.11+
-            exc.add_note(f"celery_ext: nothing of this {what} ({size}) was published "
-                         "(a group publishes all or none)")
+        noted = any(str(n).startswith(_NOTE) for n in getattr(exc, "__notes__", ()))
+        if hasattr(exc, "add_note") and not noted:  # Python 3.11+; once (a chord's header)
+            exc.add_note(f"{_NOTE} {what} ({size}) was published (a group publishes all or "
+                         "none)")
         raise
     finally:
         if outer is None:

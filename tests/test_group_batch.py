@@ -146,6 +146,12 @@ def test_a_bad_member_publishes_nothing_of_the_group(db, schema, url):
     with pytest.raises(EncodeError):
         group([mod.record.s("a"), mod.record.s(object())]).apply_async()
     assert db.execute(count).fetchone()[0] == 0
+    # a chord: its header and the chord_unlock the database backend sends before it
+    with pytest.raises(EncodeError) as chord_error:
+        chord([mod.square.s(1), mod.square.s(object())], mod.total.s("x")).apply_async()
+    assert db.execute(count).fetchone()[0] == 0
+    notes = getattr(chord_error.value, "__notes__", None)
+    assert notes is None or len(notes) == 1, notes
     # in an outer batch that catches the error and goes on: its own message only
     with kombu_pgjobs.batch():
         mod.record.delay("outer")
