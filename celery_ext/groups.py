@@ -16,6 +16,9 @@ What that gives the group is what ``batch()`` gives a block:
 * **ids as Celery gives them**: the ``GroupResult`` and its members carry the ids Celery froze
   before publishing; nothing is renamed.
 
+The messages are held in memory until the INSERT: a fan-out of hundreds of thousands is one
+statement of that size (send it as several groups).
+
 A group published inside an open ``kombu_pgjobs.batch()`` joins it (the outer block inserts
 everything when it exits), and inside ``celery_ext.transaction(conn)`` the rows are written in
 the app's transaction as any publish there is. A group of another broker, a group given a
