@@ -34,6 +34,12 @@ renew (it was frozen, or cut off from the database alone) and a keeper rescued i
 ended at once (terminated, killed or flagged as above; no result is stored for it: the message
 is another worker's now). So at most one run of a message is alive once its first holder
 reaches the database again. Both are logged as ``pgjobs.run.stopped`` (``PGJ-216``).
+
+**Shutdown with a deadline** (issue 30, item 3): Celery's soft then cold shutdown
+(``worker_soft_shutdown_timeout``, SIGQUIT) cuts runs off at the deadline; their messages go back
+at once, uncounted, on every pool — prefork by Celery and the transport alone; threads, solo,
+gevent and eventlet through the pool patches below (Celery's own fail there: threads and solo
+raise NotImplementedError, gevent and eventlet block in the hub). See docs/compatibility.md.
 """
 
 from __future__ import annotations
@@ -348,6 +354,9 @@ def _deferred(handler: Any) -> Any:
     def worker_Cold(signum: Any = None, frame: Any = None) -> None:
         green = _green()
         if green is None:
+            if _is_solo(getattr(_consumer, "pool", None)) and not _solo_cut:
+                _close_window(_consumer)
+                _solo_cancel_later(getattr(_consumer, "task_consumer", None))
             handler(signum, frame)
             return
         if not _green_cold:  # the first cold signal
@@ -452,6 +461,80 @@ def _green_terminate_job(original: Any) -> Any:
 _signals_setitem = _platforms.Signals.__setitem__
 
 
+# -- solo: the task runs in the main thread, where Celery's signal handler runs too ----------
+
+#: the cold shutdown cut the solo pool's run off (once per process)
+_solo_cut: list[bool] = []
+
+
+def _solo_terminate_job(pool: Any, pid: Any, signal: Any = None) -> None:
+    """solo's ``terminate_job`` (Celery's raises NotImplementedError — which, raised in the
+    signal handler, ended the interrupted task body as a failure: its message acked, gone).
+    At a cold shutdown (``Request.cancel``) the handler interrupted the running task itself:
+    its message (and any prefetched one) is kept unacked — Celery's ack suppressed, nothing
+    written here, in signal context — so the transport hands it back, uncounted, as the
+    worker closes its channel; and :class:`Cancelled` is raised into the body, which ends the
+    run (a body that catches every exception runs on to its end: nothing can stop it)."""
+    if sys._getframe(1).f_code.co_name != "cancel":
+        raise NotImplementedError(f"{type(pool)} does not implement kill_job")
+    from celery.worker import state as worker_state
+
+    if not _solo_cut:
+        _solo_cut.append(True)
+        for request in [*worker_state.active_requests, *worker_state.reserved_requests]:
+            if not request.acknowledged and request.id not in worker_state.successful_requests:
+                request.acknowledged = True  # Celery will not ack it: it goes back
+    raise Cancelled("shutdown")
+
+
+def _is_solo(pool: Any) -> bool:
+    return pool is not None and type(pool).__module__ == "celery.concurrency.solo"
+
+
+def _solo_cancel_later(task_consumer: Any) -> None:
+    """On solo, Celery's handler cancels the task consumer while the task it interrupted is
+    in the middle of a delivered batch: the rest of the batch then finds no consumer, and
+    kombu requeues it through ``reject(requeue=True)``, counting an attempt. Called from the
+    signal handler, the cancel waits for the event loop (``call_soon``); the rows behind then
+    reach the consumer, are not started (:func:`_gate_solo`) and go back uncounted with the
+    cut-off run as the channel closes. Idempotent."""
+    if task_consumer is None or getattr(task_consumer.cancel, "_celery_ext_in_loop", False):
+        return
+    from celery.utils import log as celery_log
+
+    real = task_consumer.cancel
+    consumer = _consumer
+
+    def cancel() -> None:
+        if celery_log._in_sighandler:
+            consumer.call_soon(real)
+        else:
+            real()
+
+    cancel._celery_ext_in_loop = True  # type: ignore[attr-defined]
+    task_consumer.cancel = cancel
+
+
+def _gate_solo(pool: Any) -> None:
+    """No task starts on the solo pool after its run was cut off (the messages prefetched
+    behind it stay unacked: handed back with it)."""
+    apply = pool.on_apply
+    if getattr(apply, "_celery_ext_gated", False):
+        return
+
+    def on_apply(*args: Any, **kwargs: Any) -> Any:
+        return None if _solo_cut else apply(*args, **kwargs)
+
+    on_apply._celery_ext_gated = True  # type: ignore[attr-defined]
+    pool.on_apply = on_apply
+
+
+def _ready_solo(sender: Any = None, **_: Any) -> None:
+    pool = getattr(sender, "pool", None)
+    if _is_solo(pool):
+        _gate_solo(pool)
+
+
 def _ready_green(sender: Any = None, **_: Any) -> None:
     """``worker_ready`` of a gevent/eventlet worker: gate its task starts, and hand cut-off
     deliveries back from its ``terminate_job`` (patched on the pool's class, once)."""
@@ -468,10 +551,12 @@ def _ready_green(sender: Any = None, **_: Any) -> None:
 def start_stopping() -> None:
     """Register the run listener, capture the worker's pool, give the threads pool a cold
     shutdown that ends, and run the green pools' out of signal context (idempotent)."""
-    from celery.concurrency import thread
+    from celery.concurrency import solo, thread
 
     signals.worker_ready.connect(_worker_ready, weak=False, dispatch_uid="celery_ext.cancel")
     signals.worker_ready.connect(_ready_green, weak=False, dispatch_uid="celery_ext.green")
     add_run_listener(_stop)
     thread.TaskPool.terminate_job = _threads_terminate_job  # type: ignore[method-assign]
+    solo.TaskPool.terminate_job = _solo_terminate_job  # type: ignore[method-assign]
+    signals.worker_ready.connect(_ready_solo, weak=False, dispatch_uid="celery_ext.solo")
     _platforms.Signals.__setitem__ = _install_signal  # type: ignore[method-assign]
