@@ -113,6 +113,12 @@ def registry() -> dict[str, Broker]:
         "pgjobs": Broker(
             "pgjobs", _url("pgjobs", "pgjobs://postgres@127.0.0.1:5432/bench"), pg_database="bench"
         ),
+        # pgjobs with its task history off (issue 34: what the history costs, side by side)
+        "pgjobs_nohist": Broker(
+            "pgjobs_nohist",
+            _url("pgjobs_nohist", "pgjobs://postgres@127.0.0.1:5432/bench_nohist"),
+            transport_options={"history": False}, pg_database="bench_nohist",
+        ),
         "redis": Broker("redis", _url("redis", "redis://127.0.0.1:6379/0")),
         "amqp": Broker("amqp", _url("amqp", "amqp://guest:guest@127.0.0.1:5672//")),
         "sqla": Broker(
