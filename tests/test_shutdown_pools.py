@@ -157,3 +157,23 @@ def test_solo_a_shutdown_deadline_hands_the_cut_off_run_and_the_prefetched_back_
     _handed_back(db, schema, [long.id, behind.id], worker.output())
     assert _started(db, schema, "behind") == 0 and _finished(db, schema, "long") == 0
     _run_again_once(db, schema, start_worker, {long.id: "long", behind.id: "behind"})
+
+
+@pytest.mark.parametrize("pool", ["threads", "gevent", "eventlet"])
+def test_a_second_sigquit_during_the_grace_cuts_off_at_once(
+        db, parity, recorder_tables, schema, start_worker, pool):
+    """Celery's rule: a second SIGQUIT during the soft shutdown's grace (20 s here) cancels the
+    runs now. On these pools the worker is gone within the bound of the second signal, long
+    before the grace ends, and the cut-off message is back, ready, uncounted."""
+    worker = start_worker(name=f"twice{pool}", app=APP, pool=pool, concurrency=4,
+                          env={"PGJOBS_TEST_SOFT_SHUTDOWN": "20"})
+    long = parity.steps.delay("long", 48, 0.25)
+    wait_for(lambda: _started(db, schema, "long") == 1, 30, what="the task to start")
+    worker.proc.send_signal(signal.SIGQUIT)
+    wait_for(lambda: "Initiating Soft Shutdown" in worker.output(), 10, interval=0.1,
+             what="the soft shutdown")
+    time.sleep(1.0)
+    took = _stop_within(worker, EXIT_BOUND)
+    print(f"{pool}: exited {took:.1f}s after the second SIGQUIT")
+    _handed_back(db, schema, [long.id], worker.output())
+    _run_again_once(db, schema, start_worker, {long.id: "long"})
