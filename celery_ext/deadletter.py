@@ -17,6 +17,7 @@ from __future__ import annotations
 import base64
 import logging
 import os
+import time
 import traceback as tb_module
 import uuid
 from typing import Any
@@ -171,12 +172,14 @@ def on_task_failure(sender: Any = None, exception: BaseException | None = None,
         pair = found[:2] if found else None
         info = request.delivery_info or {}
         queue = info.get("routing_key") or task.queue or app.conf.task_default_queue
+        started = getattr(request, "pgjobs_started", None)
+        elapsed = time.monotonic() - started if isinstance(started, float) else None
         if not getattr(task, "dead_letter", True):
             # nothing kept: the settle is 'dropped' (its ack records it, or amends an early
             # ack's history row)
             backend.publishing(lambda conn: record_outcome(
                 conn, backend.options.schema, job=pair, outcome="dropped", queue=queue,
-                shard=backend.worker))
+                shard=backend.worker, task=task.name, elapsed=elapsed))
             return
         error = _error(task, request, exception, einfo)
         try:
@@ -189,7 +192,8 @@ def on_task_failure(sender: Any = None, exception: BaseException | None = None,
             reason=_reason(exception),
             error={**error, "job_id": pair[0] if pair else None}, job=pair,
             priority=int(info.get("priority") or 0), attempts=1,
-            max_attempts=getattr(task, "max_attempts", None), shard=backend.worker))
+            max_attempts=getattr(task, "max_attempts", None), shard=backend.worker,
+            elapsed=elapsed))
         log.info("celery_ext.dead_letter.recorded task=%s id=%s dead_letter=%s rule=%s",
                  task.name, request.id, dead_id, error["rule"],
                  extra={"action": "celery_ext.dead_letter.recorded", "dead_letter": dead_id})

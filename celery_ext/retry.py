@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import random
+import time
 from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 from email.utils import parsedate_to_datetime
@@ -247,6 +248,8 @@ class PgJobsTask(CeleryTask):
         return bound
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # when the run began, for the outcome a failure tells the transport (deadletter.py)
+        self.request.pgjobs_started = time.monotonic()
         try:
             tenant = tenant_for_body(self, args, kwargs)
         except PgJobsError as exc:  # the body must not run; retrying cannot fix the message

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any
 
 from billiard.exceptions import Terminated
@@ -176,9 +177,11 @@ class OutcomeRequest(Request):
                 info = self.delivery_info or {}
                 queue = info.get("routing_key") or self.task.queue or \
                     self.task.app.conf.task_default_queue
+                began = self.time_start
+                elapsed = time.time() - began if began else None
                 backend.publishing(lambda conn: record_outcome(
                     conn, backend.options.schema, job=found[:2], outcome=outcome,
-                    queue=queue, shard=backend.worker))
+                    queue=queue, shard=backend.worker, task=self.task.name, elapsed=elapsed))
         except Exception:  # the task's own outcome stands; only the record is off
             log.exception("celery_ext.outcome.not_told id=%s", self.id)
 

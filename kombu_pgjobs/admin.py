@@ -232,7 +232,7 @@ def record_dead_letter(conn: psycopg.Connection[Any], schema: str, *, queue: str
                        task: str | None, message: Mapping[str, Any] | str, reason: str,
                        error: Mapping[str, Any] | None, job: tuple[int, int] | None = None,
                        priority: int = 0, attempts: int = 0, max_attempts: int | None = None,
-                       shard: str = "") -> int:
+                       shard: str = "", elapsed: float | None = None) -> int:
     """Record a message that failed for good as a dead letter; return its (fresh) id.
 
     celery_ext calls this from the worker when a task fails for good: Celery settles the
@@ -255,7 +255,8 @@ def record_dead_letter(conn: psycopg.Connection[Any], schema: str, *, queue: str
         "error": Jsonb(_printable(error)) if error is not None else None, "message": text,
     }).fetchone()
     assert row is not None
-    record_outcome(conn, schema, job=job, outcome="failed", queue=queue,
+    record_outcome(conn, schema, job=job, outcome="failed", queue=queue, task=task,
+                   elapsed=elapsed,
                    shard=shard or f"celery_ext:{socket.gethostname()}:{os.getpid()}")
     return int(row[0])
 

@@ -80,10 +80,10 @@ def backend_for(conninfo: str, options: TransportOptions) -> Backend:
 #: ``acked``, ``requeued``, ``dead`` or ``cancelled`` (the ack of a run an operator cancelled
 #: became a dead letter): the transport's settle, not yet the run's outcome (celery_ext's
 #: ``on_settled`` turns an ``acked`` into its run's word). Told after its statement committed,
-#: once, never for a settle that missed its fence. ``headers`` are the delivered message's (``{}`` when not recorded).
-#: celery_ext's ``on_settled`` signal is one (see :mod:`celery_ext.settled`). A listener runs on
-#: the thread that settled (the consumer, the keeper, a pool thread); one that raises is logged
-#: (PGJ-221) and changes nothing.
+#: once, never for a settle that missed its fence. ``headers`` are the delivered message's
+#: (``{}`` when not recorded). celery_ext's ``on_settled`` signal is one (see
+#: :mod:`celery_ext.settled`). A listener runs on the thread that settled (the consumer, the
+#: keeper, a pool thread); one that raises is logged (PGJ-221) and changes nothing.
 SettleListener = Callable[[str, int, int, dict[str, Any]], None]
 settle_listeners: list[SettleListener] = []
 _OUTCOMES = {"ack": "acked", "requeue": "requeued", "reject": "dead", "bury": "dead",

@@ -66,19 +66,20 @@ ROLLUP_AFTER_SETTLE = 180.0
 
 
 def record_outcome(conn: psycopg.Connection[Any], schema: str, *, job: tuple[int, int] | None,
-                   outcome: str, queue: str, shard: str,
-                   runtime: float | None = None) -> int:
+                   outcome: str, queue: str, shard: str, task: str | None = None,
+                   elapsed: float | None = None, runtime: float | None = None) -> int:
     """Tell how delivery ``job`` (``(id, claim)``) ended where the transport cannot know it:
     ``failed``, ``dropped`` or ``requeued`` (a Celery retry) (``job_outcome`` in
     sql/history.sql). Returns 1 when the held row or its history row took the word, 0 when
-    only the counter did."""
+    only the counter did. ``task`` and ``elapsed`` (seconds since the run began) find an early
+    ack's history row among that task's recent settles."""
     if outcome not in ("failed", "dropped", "requeued"):
         raise InvalidArgument(f"a worker tells 'failed', 'dropped' or 'requeued', "
                               f"not {outcome!r}")
     job_id, claim = job if job is not None else (None, None)
     row = conn.execute(queries(validate_schema_name(schema))["job_outcome"], {
         "job_id": job_id, "claim": claim, "outcome": outcome, "runtime": runtime,
-        "queue": queue, "shard": shard}).fetchone()
+        "queue": queue, "shard": shard, "task": task, "elapsed": elapsed}).fetchone()
     return int(row[0]) if row else 0
 
 

@@ -188,7 +188,7 @@ def test_rollups_agree_with_the_history_they_were_made_from(db, schema):
         f"SELECT job_id, claim, task FROM \"{schema}\".pgjobs_history "
         "WHERE outcome = 'completed' ORDER BY job_id LIMIT 1").fetchone()
     assert history.record_outcome(db, schema, job=(job_id, claim), outcome="failed",
-                                  queue="q", shard="x") == 1
+                                  queue="q", shard="x", task=task, elapsed=600.0) == 1
     assert _rollups(db, schema) == _rolled_from_history(db, schema)
 
 

@@ -9,8 +9,10 @@
 -- (Celery's early ack settled it when it started) the history row that ack wrote is amended
 -- and the one settle moves from 'completed' to the word in the counters (the ack's bucket and
 -- shard) and in the rollup; with no history row either (history off), the word is counted
--- now, the ack's 'completed' standing. %(runtime)s (seconds, NULL: unknown) replaces an
--- early ack's runtime. Returns how many of the three paths applied (0 or 1).
+-- now, the ack's 'completed' standing. The history row is looked for among the settles of task
+-- %(task)s within %(elapsed)s seconds (how long the run has gone; NULL: a day) and ten minutes
+-- more (clocks), through pgjobs_history_task_idx. %(runtime)s (seconds, NULL: unknown)
+-- replaces an early ack's runtime. Returns how many of the three paths applied (0 or 1).
 WITH held AS (
     UPDATE {schema}.pgjobs_job AS j
        SET outcome = %(outcome)s
@@ -19,7 +21,10 @@ WITH held AS (
 ), amended AS (
     UPDATE {schema}.pgjobs_history AS h
        SET outcome = %(outcome)s, runtime = coalesce(%(runtime)s::real, h.runtime)
-     WHERE h.job_id = %(job_id)s::bigint AND h.claim = %(claim)s::int
+     WHERE h.task = %(task)s::text
+       AND h.settled_at >= now() - make_interval(secs => coalesce(%(elapsed)s::float8, 86400)
+                                                        + 600)
+       AND h.job_id = %(job_id)s::bigint AND h.claim = %(claim)s::int
        AND h.outcome = 'completed'
        AND NOT EXISTS (SELECT 1 FROM held)
     RETURNING h.queue, coalesce(h.task, '') AS task, date_trunc('minute', h.settled_at) AS bucket,
