@@ -294,16 +294,7 @@ def _pct(times: list[float]) -> dict[str, float]:
             "p95_ms": times[min(len(times) - 1, int(len(times) * 0.95))], "max_ms": times[-1]}
 
 
-def history_scenario(rows: int, requests: int, keep: bool) -> list[dict[str, Any]]:
-    """The tasks page with ``rows`` history rows: fill schema :data:`HISTORY_SCHEMA` (history
-    over 7 days, its rollups up to the last closed minute but one, the watermark there, as a
-    keeper leaves them), then time the tasks page's statement and HTTP requests (each window,
-    sorted two ways), a task's page and the history search; drop the schema."""
-    from kombu_pgjobs.dashboard.oncall import TAIL, WINDOWS
-    from kombu_pgjobs.dashboard.queries import queries
-
-    s = f'"{HISTORY_SCHEMA}"'
-    out: list[dict[str, Any]] = []
+def _fill_history(s: str, rows: int) -> None:
     with psycopg.connect(DSN, autocommit=True) as conn:
         conn.execute(f"DROP SCHEMA IF EXISTS {s} CASCADE")
         migrate(conn, HISTORY_SCHEMA)
@@ -318,6 +309,27 @@ def history_scenario(rows: int, requests: int, keep: bool) -> list[dict[str, Any
         n_rollups = conn.execute(f"SELECT count(*) FROM {s}.pgjobs_task_minute").fetchone()[0]
         print(f"filled {rows:,} history rows in {filled - started:.1f} s, {n_rollups:,} "
               f"rollups in {time.monotonic() - filled:.1f} s", file=sys.stderr)
+
+
+def history_scenario(rows: int, requests: int, keep: bool) -> list[dict[str, Any]]:
+    """The tasks page with ``rows`` history rows: fill schema :data:`HISTORY_SCHEMA` (history
+    over 7 days, its rollups up to the last closed minute but one, the watermark there, as a
+    keeper leaves them), then time the tasks page's statement and HTTP requests (each window,
+    sorted two ways), a task's page and the history search; drop the schema."""
+    from kombu_pgjobs.dashboard.oncall import TAIL, WINDOWS
+    from kombu_pgjobs.dashboard.queries import queries
+
+    s = f'"{HISTORY_SCHEMA}"'
+    out: list[dict[str, Any]] = []
+    with psycopg.connect(DSN, autocommit=True) as conn:
+        have = conn.execute("SELECT to_regclass(%s) IS NOT NULL",
+                            [f"{s}.pgjobs_history"]).fetchone()[0] and conn.execute(
+            f"SELECT count(*) FROM {s}.pgjobs_history").fetchone()[0]
+        reused = keep and have == rows
+    if reused:  # a --keep run's fill (its newest minutes are as old as that run)
+        print(f"kept: {rows:,} history rows", file=sys.stderr)
+    else:
+        _fill_history(s, rows)
     try:
         # the statement alone, on the dashboard's own session settings (jit, bitmap scans off)
         with psycopg.connect(DSN, autocommit=True,
@@ -371,7 +383,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--history", type=int, metavar="ROWS",
                    help="instead: the tasks page with ROWS history rows (10,000,000 for "
                         "docs/benchmarks.md) in schema bench_dashboard_history, dropped after")
-    p.add_argument("--keep", action="store_true", help="with --history: keep the schema")
+    p.add_argument("--keep", action="store_true",
+                   help="with --history: keep the schema, and use a kept one of ROWS rows")
     args = p.parse_args(argv)
     ensure_database()
     if args.history:

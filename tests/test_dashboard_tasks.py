@@ -399,3 +399,29 @@ def test_tasks_and_workers_pages_span_a_shard_map(core, db, schema, url, second_
         assert f'data-col="rate">{6 / 5}<' in row
     finally:
         app.state.dashboard.close()
+
+
+def test_filtered_lists_read_at_most_the_bound_and_say_so(core, db, client, schema,
+                                                          monkeypatch):
+    """The history search and a task's page read at most SCAN candidates (here 5): a failure
+    older than the 5 newest settles is not found, and the page says the search stopped."""
+    from kombu_pgjobs.dashboard import oncall
+
+    old = bury(core, db, "shop", "shop.charge")
+    ack(core, db, "shop", "shop.charge", 8)
+    c = client()
+    assert 'id="scan-cut"' not in c.get("/history?outcome=failed").text
+    page = c.get("/tasks/shop.charge?outcome=failed").text
+    assert f'data-job="{old}"' in page and 'id="scan-cut"' not in page
+    monkeypatch.setattr(oncall, "SCAN", 5)
+    page = c.get("/history?outcome=failed").text
+    assert f'data-job="{old}"' not in page and 'id="scan-cut"' in page
+    assert "read the newest 5 settles" in page
+    page = c.get("/tasks/shop.charge?outcome=failed").text
+    assert f'data-job="{old}"' not in page and 'id="scan-cut"' in page
+    # unfiltered too: the 5 newest, and it says it stopped there
+    page = c.get("/history").text
+    assert 'id="scan-cut"' in page and len(re.findall(r'<tr data-job=', page)) == 5
+    monkeypatch.setattr(oncall, "SCAN", 9)  # all of it: nothing cut
+    page = c.get("/history").text
+    assert 'id="scan-cut"' not in page and len(re.findall(r'<tr data-job=', page)) == 9

@@ -238,6 +238,14 @@ def args_search(admin: Admin, *, args: Any, kwargs: Any, task: str | None,
             "too_big": big, "scan": scan}
 
 
+def beyond(admin: Admin, params: dict[str, Any]) -> bool:
+    """Whether a filtered list that came out short stopped at its bound (:data:`SCAN`
+    candidates) rather than at the end of the history (``dashboard_history_beyond``)."""
+    row = admin.conn.execute(queries(admin.schema)["dashboard_history_beyond"],
+                             params).fetchone()
+    return bool(row and row[0])
+
+
 def node_of(worker: str | None) -> tuple[str, str]:
     """A worker identity ``node:pid:incarnation`` (or ``host:pid``) as (node, the rest)."""
     if not worker:
@@ -288,11 +296,13 @@ def routes(dash: Dashboard) -> list[BaseRoute]:
 
         def read(admin: Admin) -> dict[str, Any]:
             dash.need(admin, 25, "the task page")
-            items = dicts(admin.conn, queries(admin.schema)["dashboard_task_history"], {
-                "task": name, "outcome": outcome, "before": before, "before_id": before_id,
-                "n": PAGE + 1, "scan": SCAN})
+            params = {"task": name, "outcome": outcome, "before": before,
+                      "before_id": before_id, "n": PAGE + 1, "scan": SCAN,
+                      "since": None, "until": None}
+            items = dicts(admin.conn, queries(admin.schema)["dashboard_task_history"], params)
             summary = [r for r in tasks(admin, window="1h") if r["task"] == name]
-            return {"items": items, "summary": summary[0] if summary else None}
+            return {"items": items, "summary": summary[0] if summary else None,
+                    "cut": len(items) <= PAGE and beyond(admin, params)}
 
         data = await dash.run(read)
         items = data["items"]
@@ -300,10 +310,9 @@ def routes(dash: Dashboard) -> list[BaseRoute]:
         items = items[:PAGE]
         nxt = ({"before": items[-1]["settled_at"].isoformat(),
                 "before_id": items[-1]["job_id"]} if more else None)
-        scanned = items[0]["scanned"] if items else 0
         return dash.render(request, "task.html", {
             "name": name, "items": items, "next": nxt, "outcome": outcome,
-            "scan_cut": scanned >= SCAN and not more, "scan": SCAN,
+            "scan_cut": data["cut"], "scan": SCAN,
             "outcomes": OUTCOMES, "s": data["summary"],
             "dead_ids": [r["dead_id"] for r in items if r["dead_id"] is not None]})
 
@@ -332,16 +341,17 @@ def routes(dash: Dashboard) -> list[BaseRoute]:
                                            task=filters["task"], scan=scan)
                 return out
             dash.need(admin, 25, "the history")
-            out["items"] = dicts(admin.conn, queries(admin.schema)["dashboard_history_search"], {
-                "task": filters["task"], "outcome": filters["outcome"],
-                "tenant": filters["tenant"], "worker": filters["worker"], "since": since,
-                "until": until, "before": before, "before_id": before_id,
-                "scan": SCAN, "n": PAGE + 1})
+            params = {"task": filters["task"], "outcome": filters["outcome"],
+                      "tenant": filters["tenant"], "worker": filters["worker"], "since": since,
+                      "until": until, "before": before, "before_id": before_id,
+                      "scan": SCAN, "n": PAGE + 1}
+            out["items"] = dicts(admin.conn, queries(admin.schema)["dashboard_history_search"],
+                                 params)
+            out["cut"] = len(out["items"]) <= PAGE and beyond(admin, params)
             return out
 
         data = await dash.run(read)
         items = data["items"]
-        scanned = items[0]["scanned"] if items else 0
         more = len(items) > PAGE
         items = items[:PAGE]
         kept = {k: v for k, v in filters.items() if v}
@@ -349,7 +359,7 @@ def routes(dash: Dashboard) -> list[BaseRoute]:
                 "before_id": items[-1]["job_id"]} if more else None)
         return dash.render(request, "history.html", {
             "filters": filters, "items": items, "next": nxt, "outcomes": OUTCOMES,
-            "found": data["found"], "scan_cut": scanned >= SCAN, "scan": SCAN,
+            "found": data["found"], "scan_cut": bool(data.get("cut")), "scan": SCAN,
             "args_scan": ARGS_SCAN, "page": PAGE})
 
     async def workers(request: Request) -> Response:

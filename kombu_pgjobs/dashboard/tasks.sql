@@ -110,33 +110,27 @@ SELECT r.task, r.completed, r.failed, r.dropped, r.cancelled, r.requeued, r.sett
 -- name: dashboard_task_history :many
 -- A task's page: its settled deliveries, newest first (pgjobs_history_task_idx backwards),
 -- before the cursor (%(before)s, %(before_id)s: the last row of the previous page; NULL: now):
--- of its %(scan)s newest, the first %(n)s of one outcome or any (%(outcome)s NULL); scanned
--- says how many were read (equal to %(scan)s: the page stopped there). Each with the dead
--- letter that kept its failure, if there is one: the transport's keeps the message's id
--- (pgjobs_dead_letter_pkey), celery_ext's copy has its own id and names the job in
--- error ->> 'job_id' (pgjobs_dead_letter_job_id_idx); and whether the message is live again
--- (a requeued dead letter keeps its id).
-WITH cand AS MATERIALIZED (
-    SELECT h.*
-      FROM {schema}.pgjobs_history AS h
-     WHERE h.task = %(task)s
-       AND h.settled_at <= coalesce(%(before)s::timestamptz, 'infinity')
-       AND (%(before)s::timestamptz IS NULL OR h.settled_at < %(before)s::timestamptz
-            OR h.job_id < %(before_id)s::bigint)
-     ORDER BY h.settled_at DESC, h.job_id DESC
-     LIMIT %(scan)s
-), hits AS (
-    SELECT c.* FROM cand AS c
-     WHERE %(outcome)s::text IS NULL OR c.outcome = %(outcome)s
-     ORDER BY c.settled_at DESC, c.job_id DESC
-     LIMIT %(n)s
-)
+-- of its %(scan)s newest, the first %(n)s of one outcome or any (%(outcome)s NULL). Read
+-- lazily: it stops at the %(n)s-th match (dashboard_history_beyond tells whether a short page
+-- stopped at the bound). Each with the dead letter that kept its failure, if there is one: the
+-- transport's keeps the message's id (pgjobs_dead_letter_pkey), celery_ext's copy has its own
+-- id and names the job in error ->> 'job_id' (pgjobs_dead_letter_job_id_idx); and whether the
+-- message is live again (a requeued dead letter keeps its id).
 SELECT h.settled_at, h.job_id, h.claim, h.task, h.queue, h.tenant, h.outcome, h.runtime,
        h.attempts, h.worker, d.id AS dead_id, d.error ->> 'type' AS error_type,
        d.error ->> 'message' AS error_message, d.reason AS dead_reason,
-       (SELECT j.state FROM {schema}.pgjobs_job AS j WHERE j.id = h.job_id) AS live_state,
-       (SELECT count(*) FROM cand)::int AS scanned
-  FROM hits AS h
+       (SELECT j.state FROM {schema}.pgjobs_job AS j WHERE j.id = h.job_id) AS live_state
+  FROM (SELECT c.* FROM (SELECT h.*
+                          FROM {schema}.pgjobs_history AS h
+                         WHERE h.task = %(task)s
+                           AND h.settled_at <= coalesce(%(before)s::timestamptz, 'infinity')
+                           AND (%(before)s::timestamptz IS NULL
+                                OR h.settled_at < %(before)s::timestamptz
+                                OR h.job_id < %(before_id)s::bigint)
+                         ORDER BY h.settled_at DESC, h.job_id DESC
+                         LIMIT %(scan)s) AS c
+         WHERE %(outcome)s::text IS NULL OR c.outcome = %(outcome)s
+         LIMIT %(n)s) AS h
   LEFT JOIN LATERAL (
         SELECT x.id, x.error, x.reason FROM (
             (SELECT x1.id, x1.error, x1.reason, 0 AS pref
@@ -154,44 +148,52 @@ SELECT h.settled_at, h.job_id, h.claim, h.task, h.queue, h.tenant, h.outcome, h.
 -- (of one task when %(task)s: pgjobs_history_task_idx, else pgjobs_history_settled_idx,
 -- backwards) and before the cursor, the first %(n)s of an outcome, a tenant and a worker
 -- (NULL: any), each with its dead letter (as dashboard_task_history) and whether its message
--- is live. scanned: how many candidates were read (equal to %(scan)s: the search stopped
--- there, older rows were not looked at).
-WITH cand AS MATERIALIZED (
-    SELECT h.*
-      FROM {schema}.pgjobs_history AS h
-     WHERE (%(task)s::text IS NULL OR h.task = %(task)s)
-       AND h.settled_at >= coalesce(%(since)s::timestamptz, '-infinity')
-       AND h.settled_at < coalesce(%(until)s::timestamptz, 'infinity')
-       AND h.settled_at <= coalesce(%(before)s::timestamptz, 'infinity')
-       AND (%(before)s::timestamptz IS NULL OR h.settled_at < %(before)s::timestamptz
-            OR h.job_id < %(before_id)s::bigint)
-     ORDER BY h.settled_at DESC, h.job_id DESC
-     LIMIT %(scan)s
-), hits AS (
-    SELECT c.* FROM cand AS c
-     WHERE (%(outcome)s::text IS NULL OR c.outcome = %(outcome)s)
-       AND (%(tenant)s::text IS NULL OR c.tenant = %(tenant)s)
-       AND (%(worker)s::text IS NULL OR c.worker = %(worker)s)
-     ORDER BY c.settled_at DESC, c.job_id DESC
-     LIMIT %(n)s
-)
+-- is live. Read lazily: it stops at the %(n)s-th match (dashboard_history_beyond tells whether
+-- a short page stopped at the bound).
 SELECT h.settled_at, h.job_id, h.claim, h.task, h.queue, h.tenant, h.outcome, h.runtime,
        h.attempts, h.worker, d.id AS dead_id, d.error ->> 'type' AS error_type,
-       d.error ->> 'message' AS error_message,
-       (SELECT j.state FROM {schema}.pgjobs_job AS j WHERE j.id = h.job_id) AS live_state,
-       (SELECT count(*) FROM cand)::int AS scanned
-  FROM hits AS h
+       d.error ->> 'message' AS error_message, d.reason AS dead_reason,
+       (SELECT j.state FROM {schema}.pgjobs_job AS j WHERE j.id = h.job_id) AS live_state
+  FROM (SELECT c.* FROM (SELECT h.*
+                          FROM {schema}.pgjobs_history AS h
+                         WHERE (%(task)s::text IS NULL OR h.task = %(task)s)
+                           AND h.settled_at >= coalesce(%(since)s::timestamptz, '-infinity')
+                           AND h.settled_at < coalesce(%(until)s::timestamptz, 'infinity')
+                           AND h.settled_at <= coalesce(%(before)s::timestamptz, 'infinity')
+                           AND (%(before)s::timestamptz IS NULL
+                                OR h.settled_at < %(before)s::timestamptz
+                                OR h.job_id < %(before_id)s::bigint)
+                         ORDER BY h.settled_at DESC, h.job_id DESC
+                         LIMIT %(scan)s) AS c
+         WHERE (%(outcome)s::text IS NULL OR c.outcome = %(outcome)s)
+           AND (%(tenant)s::text IS NULL OR c.tenant = %(tenant)s)
+           AND (%(worker)s::text IS NULL OR c.worker = %(worker)s)
+         LIMIT %(n)s) AS h
   LEFT JOIN LATERAL (
-        SELECT x.id, x.error FROM (
-            (SELECT x1.id, x1.error, 0 AS pref
+        SELECT x.id, x.error, x.reason FROM (
+            (SELECT x1.id, x1.error, x1.reason, 0 AS pref
                FROM {schema}.pgjobs_dead_letter AS x1 WHERE x1.id = h.job_id)
             UNION ALL
-            (SELECT x2.id, x2.error, 1
+            (SELECT x2.id, x2.error, x2.reason, 1
                FROM {schema}.pgjobs_dead_letter AS x2
               WHERE x2.error ? 'job_id' AND x2.error ->> 'job_id' = h.job_id::text
               ORDER BY x2.id DESC LIMIT 1)) AS x
          ORDER BY x.pref LIMIT 1) AS d ON h.outcome IN ('failed', 'dropped', 'cancelled')
  ORDER BY h.settled_at DESC, h.job_id DESC;
+
+-- name: dashboard_history_beyond :one
+-- Whether a filtered page that came out short stopped at its bound: there is a (%(scan)s + 1)th
+-- candidate (of the task, in the range, before the cursor), in the order of the index the page
+-- read (an index-only read of its settle times when the table is vacuumed).
+SELECT EXISTS (
+    SELECT 1 FROM {schema}.pgjobs_history AS h
+     WHERE (%(task)s::text IS NULL OR h.task = %(task)s)
+       AND h.settled_at >= coalesce(%(since)s::timestamptz, '-infinity')
+       AND h.settled_at < coalesce(%(until)s::timestamptz, 'infinity')
+       AND h.settled_at <= coalesce(%(before)s::timestamptz, 'infinity')
+     ORDER BY h.settled_at DESC
+    OFFSET %(scan)s
+     LIMIT 1);
 
 -- name: dashboard_args_candidates :many
 -- The args search's candidates: the %(scan)s newest live messages (pgjobs_job_pkey
