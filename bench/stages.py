@@ -28,6 +28,11 @@ read (the notification parsed until its rows are in), and ``deliver`` starts aft
 ``handed%`` is the share of samples delivered so (the others were claimed: their ``deliver``
 holds the claim).
 
+Its brokers live apart from the other benchmarks' (the queue is ``bench`` for all of them, and a
+worker of a ``python -m bench`` run elsewhere on the machine would take these tasks): pgjobs in
+the database ``bench_stages``, RabbitMQ in the vhost ``bench_stages`` (made with ``rabbitmqctl``
+when it is there), Redis in its database 15; ``BENCH_<NAME>_URL`` overrides each.
+
 A broker may be given as a variant with transport options, e.g. ``pgjobs+hand_off=false``
 (values are JSON, else text), to compare settings side by side within one run.
 
@@ -39,20 +44,58 @@ Every timestamp is the machine's one clock (Python's ``time.time()`` and Postgre
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
 import random
+import shutil
 import statistics
+import subprocess
 import tempfile
 import time
 from pathlib import Path
 
-from bench.brokers import prepare, variant
+from bench.brokers import Broker, prepare, variant
 from bench.measure import REPO_ROOT, BrokerRun, Config
 from bench.worker import Worker
 
 STAGES = ("client", "commit", "wake", "take", "deliver", "pool")
+
+
+APART = "bench_stages"
+
+
+def _vhost(name: str) -> bool:
+    """RabbitMQ's vhost ``name`` for guest (made when missing); False without rabbitmqctl."""
+    ctl = shutil.which("rabbitmqctl") or (
+        "/usr/sbin/rabbitmqctl" if os.path.exists("/usr/sbin/rabbitmqctl") else None)
+    if ctl is None:
+        return False
+    listed = subprocess.run([ctl, "-q", "list_vhosts"], capture_output=True, text=True)
+    if listed.returncode:
+        return False
+    if name not in listed.stdout.split():
+        made = subprocess.run([ctl, "-q", "add_vhost", name], capture_output=True)
+        perms = subprocess.run([ctl, "-q", "set_permissions", "-p", name, "guest", ".*", ".*",
+                                ".*"], capture_output=True)
+        return not (made.returncode or perms.returncode)
+    return True
+
+
+def apart(broker: Broker) -> Broker:
+    """``broker`` in a place of its own (see the module docstring), unless its URL is set."""
+    base = broker.name.split("+")[0]
+    if f"BENCH_{base.upper()}_URL" in os.environ:
+        return broker
+    if base == "pgjobs":
+        return dataclasses.replace(broker, url=f"pgjobs://postgres@127.0.0.1:5432/{APART}",
+                                   pg_database=APART)
+    if base == "amqp" and _vhost(APART):
+        return dataclasses.replace(broker, url=f"amqp://guest:guest@127.0.0.1:5672/{APART}")
+    if base == "redis":
+        return dataclasses.replace(broker, url="redis://127.0.0.1:6379/15")
+    return broker
 
 
 class HookedWorker(Worker):
@@ -111,10 +154,9 @@ def _samples(state: Path, count: int, timeout: float = 10.0) -> list[dict[str, f
 def one(spec: str, pool: str, count: int, tmp: Path) -> dict[str, float]:
     """Median ms of each stage over ``count`` samples (and the total's p95), in a fresh
     interpreter per broker."""
-    import subprocess
     import sys
 
-    broker = variant(spec)
+    broker = apart(variant(spec))
     state = tmp / f"{spec.replace('/', '_')}-{pool}"
     state.mkdir(exist_ok=True)
     run = BrokerRun(broker, Config(), state, lambda _msg: None)
@@ -154,7 +196,7 @@ def main() -> None:
     if not set(pools) <= {"threads", "prefork"}:
         p.error("--pool: threads, prefork or threads,prefork")
     for name in names:
-        prepare(variant(name))
+        prepare(apart(variant(name)))
     runs: dict[tuple[str, str], list[dict[str, float]]] = {
         (pool, n): [] for pool in pools for n in names}
     with tempfile.TemporaryDirectory(prefix="bench-stages-") as tmp:
