@@ -45,6 +45,7 @@ class Sequence(WireCounter):
 
     def __init__(self, host: str, port: int) -> None:
         self.sent: list[tuple[int, str]] = []  # (connection, statement key), in order
+        self.last = time.monotonic()  # when the last statement went by
         self._order = threading.Lock()
         super().__init__(host, port)
 
@@ -56,10 +57,16 @@ class Sequence(WireCounter):
             grown = [k for k, v in self.by_text.items() if v != before.get(k, 0)]
             if grown:  # ``names`` is one per client connection (wirecount.py)
                 self.sent.append((id(names), grown[0]))
+                self.last = time.monotonic()
 
     def since(self, mark: int) -> list[tuple[int, str]]:
         with self._order:
             return list(self.sent[mark:])
+
+    def settle(self, quiet: float = 0.5) -> None:
+        """Wait until no statement went by for ``quiet`` seconds (a worker's keeper ticks
+        every ten seconds here: a cycle's claims are over long before)."""
+        wait_for(lambda: time.monotonic() - self.last >= quiet, 30, 0.05, "a quiet wire")
 
 
 def _kind(key: str) -> str:
@@ -85,7 +92,7 @@ def test_an_idle_worker_reads_a_handed_message_with_one_statement(
         cycles = []
         for i in range(3):
             wait_for(lambda: _armed(db, schema), 30, 0.05, "the idle worker registered")
-            time.sleep(0.5)  # settles: the claim that proves the queue empty arms it
+            wire.settle()  # the claim that proves the queue empty (it arms it) went by
             mark = len(wire.since(0))
             rec.sleep_record.delay(f"idle{i}", 0.5)
             wait_for(lambda i=i: db.execute(
@@ -95,7 +102,7 @@ def test_an_idle_worker_reads_a_handed_message_with_one_statement(
                 f'SELECT count(*) FROM "{schema}".pgjobs_job').fetchone()[0], 30, 0.05,
                 "its late ack settled")
             wait_for(lambda: _armed(db, schema), 30, 0.05, "the worker registered again")
-            time.sleep(0.5)
+            wire.settle()
             cycles.append(wire.since(mark))
     runs = db.execute(f'SELECT label, count(*) FROM "{schema}".pgjobs_test_run '
                       "GROUP BY label ORDER BY label").fetchall()
