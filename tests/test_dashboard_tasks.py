@@ -242,6 +242,14 @@ def test_history_search_by_fields_and_bounded_args_search(core, db, client, sche
     page = c.get('/history?kwargs={"order": {"id": 991}}&scan=3').text
     assert 'data-kind="message"' not in page
     assert 'id="args-cut"' in page and "stopped at the bound of 3" in page
+    # bodies are read up to a budget, newest first: past it, the page says so
+    from kombu_pgjobs.dashboard import oncall
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(oncall, "BODY_BUDGET", 200)
+        page = c.get('/history?kwargs={"order": {"id": 991}}').text
+        assert 'data-kind="message"' not in page
+        assert "older bodies were not read" in page
     # beyond the bound, or not JSON: refused with a stable code, nothing searched
     r = c.get(f"/history?args=[7]&scan={ARGS_SCAN + 1}", headers={"accept": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["code"] == "PGJ-440"

@@ -50,6 +50,9 @@ SCAN = 100_000
 ARGS_SCAN = 5_000
 #: a body longer than this (base64 characters) is not decoded by the args search
 BODY_MAX = 64 * 1024
+#: the args search reads at most this many characters of bodies in all, newest first (of the
+#: live messages, and as many of the dead letters): past it, bodies are not sent or searched
+BODY_BUDGET = 16 * 1024 * 1024
 #: the sparkline's size (pixels)
 SPARK_W, SPARK_H = 120, 22
 
@@ -215,13 +218,16 @@ def args_search(admin: Admin, *, args: Any, kwargs: Any, task: str | None,
     """The live messages and dead letters whose args contain ``args`` and kwargs ``kwargs``,
     among the ``scan`` newest of each (of ``task``)."""
     rows = dicts(admin.conn, queries(admin.schema)["dashboard_args_candidates"], {
-        "task": task, "scan": int(scan), "body_max": BODY_MAX})
-    found, skipped, big = [], 0, 0
-    seen = {"message": 0, "dead": 0}
+        "task": task, "scan": int(scan), "body_max": BODY_MAX, "budget": BODY_BUDGET})
+    found, skipped, big, over = [], 0, 0, 0
+    seen = {"message": rows[0]["live_read"] if rows else 0,
+            "dead": rows[0]["dead_read"] if rows else 0}
     for r in rows:
-        seen[r["kind"]] += 1
         if r["too_big"]:
             big += 1
+            continue
+        if r["over_budget"]:
+            over += 1
             continue
         decoded = decode_args(r)
         if decoded is None:
@@ -235,7 +241,7 @@ def args_search(admin: Admin, *, args: Any, kwargs: Any, task: str | None,
                reverse=True)
     return {"items": found, "messages": seen["message"], "dead": seen["dead"],
             "cut": seen["message"] >= scan or seen["dead"] >= scan, "skipped": skipped,
-            "too_big": big, "scan": scan}
+            "too_big": big, "over_budget": over, "scan": scan}
 
 
 def beyond(admin: Admin, params: dict[str, Any]) -> bool:

@@ -197,35 +197,50 @@ SELECT EXISTS (
      LIMIT 1);
 
 -- name: dashboard_args_candidates :many
--- The args search's candidates: the %(scan)s newest live messages (pgjobs_job_pkey
--- backwards) and the %(scan)s newest dead letters (pgjobs_dead_letter_pkey backwards), of a
--- task (NULL: any), each with its body when it is at most %(body_max)s characters (a longer
--- one is not decoded: body NULL, too_big). Bodies are decoded and matched in Python
--- (base64 kombu bodies; a statement that decoded them would fail on the first that is not
--- JSON).
-(SELECT 'message' AS kind, j.id, j.queue, j.task, j.tenant, j.state, NULL::text AS reason,
-        j.created_at AS at,
-        CASE WHEN length(j.message ->> 'body') <= %(body_max)s::int
-             THEN j.message ->> 'body' END AS body,
-        length(j.message ->> 'body') > %(body_max)s::int AS too_big,
-        j.message -> 'properties' ->> 'body_encoding' AS body_encoding,
-        j.message ->> 'content-type' AS content_type
-   FROM {schema}.pgjobs_job AS j
-  WHERE (%(task)s::text IS NULL OR j.task = %(task)s)
-  ORDER BY j.id DESC
-  LIMIT %(scan)s)
-UNION ALL
-(SELECT 'dead', d.id, d.queue, d.task, d.message -> 'headers' ->> 'x-pgjobs-tenant', 'dead',
-        d.reason, d.died_at,
-        CASE WHEN length(d.message ->> 'body') <= %(body_max)s::int
-             THEN d.message ->> 'body' END,
-        length(d.message ->> 'body') > %(body_max)s::int,
-        d.message -> 'properties' ->> 'body_encoding',
-        d.message ->> 'content-type'
-   FROM {schema}.pgjobs_dead_letter AS d
-  WHERE (%(task)s::text IS NULL OR d.task = %(task)s)
-  ORDER BY d.id DESC
-  LIMIT %(scan)s);
+-- The args search's candidates: of the %(scan)s newest live messages (pgjobs_job_pkey
+-- backwards) and the %(scan)s newest dead letters (pgjobs_dead_letter_pkey backwards), those of
+-- a task (NULL: any; filtered after the bound, so a rare task never walks the table), each
+-- with its body when it is at most %(body_max)s characters (longer: too_big, not sent) and the
+-- bodies sent so far, newest first, are within %(budget)s characters (past it: over_budget,
+-- not sent). Bodies are decoded and matched in Python (base64 kombu bodies; a statement that
+-- decoded them would fail on the first that is not JSON).
+WITH live AS (
+    SELECT j.id, j.queue, j.task, j.tenant, j.state, j.created_at AS at,
+           j.message, length(j.message ->> 'body') AS size
+      FROM {schema}.pgjobs_job AS j
+     ORDER BY j.id DESC
+     LIMIT %(scan)s
+), dead AS (
+    SELECT d.id, d.queue, d.task, d.message -> 'headers' ->> 'x-pgjobs-tenant' AS tenant,
+           d.reason, d.died_at AS at, d.message, length(d.message ->> 'body') AS size
+      FROM {schema}.pgjobs_dead_letter AS d
+     ORDER BY d.id DESC
+     LIMIT %(scan)s
+), found AS (
+    SELECT 'message' AS kind, l.id, l.queue, l.task, l.tenant, l.state, NULL::text AS reason,
+           l.at, l.message, l.size,
+           sum(CASE WHEN l.size <= %(body_max)s::int THEN l.size ELSE 0 END)
+               OVER (ORDER BY l.id DESC) AS sent
+      FROM live AS l
+     WHERE %(task)s::text IS NULL OR l.task = %(task)s
+    UNION ALL
+    SELECT 'dead', x.id, x.queue, x.task, x.tenant, 'dead', x.reason, x.at, x.message, x.size,
+           sum(CASE WHEN x.size <= %(body_max)s::int THEN x.size ELSE 0 END)
+               OVER (ORDER BY x.id DESC)
+      FROM dead AS x
+     WHERE %(task)s::text IS NULL OR x.task = %(task)s
+)
+SELECT f.kind, f.id, f.queue, f.task, f.tenant, f.state, f.reason, f.at,
+       CASE WHEN f.size <= %(body_max)s::int AND f.sent <= %(budget)s::bigint
+            THEN f.message ->> 'body' END AS body,
+       coalesce(f.size > %(body_max)s::int, false) AS too_big,
+       coalesce(f.size <= %(body_max)s::int AND f.sent > %(budget)s::bigint, false)
+           AS over_budget,
+       f.message -> 'properties' ->> 'body_encoding' AS body_encoding,
+       f.message ->> 'content-type' AS content_type,
+       (SELECT count(*) FROM live)::int AS live_read,
+       (SELECT count(*) FROM dead)::int AS dead_read
+  FROM found AS f;
 
 -- name: dashboard_worker_throughput :many
 -- Settles per worker over the last %(minutes)s minutes (the current one included): the
