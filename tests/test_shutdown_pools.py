@@ -28,7 +28,7 @@ POOLS = ["prefork", "threads", "gevent", "eventlet"]
 #: seconds past the deadline a worker may take to exit: the hand-back, Celery's pool stop,
 #: celery_ext's COLD_GRACE (threads: 3 s for runs that cannot be stopped from outside) and
 #: Celery's green loop (gevent, eventlet: it drains for up to 2 s twice before it stops; measured
-#: 4.5-5.5 s), with room for a loaded machine; celery_ext.cancel.GREEN_GRACE (8 s) bounds it
+#: 4.6-5.5 s), with room for a loaded machine; celery_ext.cancel.GREEN_GRACE (8 s) bounds it
 EXIT_BOUND = 10.0
 
 
