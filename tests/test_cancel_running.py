@@ -236,9 +236,9 @@ def test_a_cold_shutdown_with_a_deadline_hands_cut_off_runs_back_at_once_uncount
     cold shutdown; SIGQUIT) on each pool: a short task finishes within the deadline and is
     acked; a long one (with checkpoints) and, on threads, one without any (a plain sleep) are
     cut off, their messages back at once — ready, their attempt uncounted — and the worker
-    exits within seconds of the deadline, never hanging on a run it cannot stop. (gevent:
-    Celery's cold shutdown fails in its signal handler, BlockingSwitchOutError, whatever the
-    broker: see docs/compatibility.md.)"""
+    exits within seconds of the deadline, never hanging on a run it cannot stop. (gevent,
+    eventlet and solo: tests/test_shutdown_pools.py; docs/compatibility.md says what Celery
+    does on its own there.)"""
     import signal
 
     soft = 2.0
