@@ -433,3 +433,43 @@ def test_filtered_lists_read_at_most_the_bound_and_say_so(core, db, client, sche
     monkeypatch.setattr(oncall, "SCAN", 9)  # all of it: nothing cut
     page = c.get("/history").text
     assert 'id="scan-cut"' not in page and len(re.findall(r'<tr data-job=', page)) == 9
+
+
+@pytest.mark.e2e
+def test_a_real_workers_settles_on_the_tasks_and_workers_pages(db, recorder_tables, url,
+                                                               start_worker, client):
+    """A real ``celery worker`` runs 20 tasks: the tasks page counts the 20 settles its history
+    holds, and the workers page names its node and its settles per minute (its counter shard
+    is its consumer row's identity)."""
+    from tests.conftest import import_app, wait_for
+
+    schema = recorder_tables
+    migrate(db, schema)
+    rec = import_app("tests.apps.recorder", schema, url)
+    worker = start_worker(name="w1", concurrency=2)
+    with rec.app.connection_for_write() as conn:
+        for i in range(20):
+            rec.record.apply_async((f"t{i}",), connection=conn)
+
+    def settled() -> int:
+        return int(db.execute(f'SELECT count(*) FROM "{schema}".pgjobs_history '
+                              "WHERE task = 'record'").fetchone()[0])
+
+    wait_for(lambda: settled() >= 20, 60, what="20 settles in the history")
+    wait_for(lambda: db.execute(f'SELECT count(*) FROM "{schema}".pgjobs_consumer'
+                                ).fetchone()[0] >= 1, 30, what="the consumer row")
+    assert settled() == 20
+    c = client()
+    rows = table_rows(c.get("/tasks?window=5m").text)
+    assert rows["record"]["settled"] == "20" and rows["record"]["failed"] == "0"
+    consumer = db.execute(f'SELECT worker FROM "{schema}".pgjobs_consumer').fetchone()[0]
+    shards = dict(db.execute(f'SELECT shard, sum(n) FROM "{schema}".pgjobs_counter '
+                             "WHERE outcome = 'completed' GROUP BY 1").fetchall())
+    assert shards.get(consumer) == 20, (consumer, shards)  # the consumer is the shard
+    page = c.get("/workers").text
+    row = re.search(rf'data-worker="{re.escape(consumer)}">(.*?)</tr>', page, re.S).group(1)
+    # its node: Celery's node name, read from the remote-control mailbox it consumes
+    node = re.search(r'<td title="[^"]*">([^<]*)</td>', row).group(1)
+    assert node.startswith("w1@") and node.split("@", 1)[1] == consumer.rsplit(":", 2)[0]
+    assert 'data-col="rate">4.0<' in row  # 20 settles over 5 minutes
+    worker.kill()

@@ -252,17 +252,25 @@ def beyond(admin: Admin, params: dict[str, Any]) -> bool:
     return bool(row and row[0])
 
 
-def node_of(worker: str | None) -> tuple[str, str]:
-    """A worker identity ``node:pid:incarnation`` (or ``host:pid``) as (node, the rest)."""
-    if not worker:
-        return "-", ""
-    parts = worker.rsplit(":", 2)
-    if len(parts) == 3 and parts[1].isdigit():
-        return parts[0], f"{parts[1]}:{parts[2]}"
-    parts = worker.rsplit(":", 1)
-    if len(parts) == 2 and parts[1].isdigit():
-        return parts[0], parts[1]
-    return worker, ""
+#: the remote-control mailbox Celery declares for each worker: ``<node name>.celery.pidbox``
+PIDBOX = ".celery.pidbox"
+
+
+def node_of(worker: str | None, queues: list[str] | None = None) -> tuple[str, str]:
+    """A worker identity ``host:pid:incarnation`` (or ``host:pid``) as (node, process): the
+    node is Celery's node name (``w1@host``) when the worker consumes its remote-control
+    mailbox (``w1@host.celery.pidbox``), else the host; the process is ``pid:incarnation``."""
+    host, process = worker or "-", ""
+    if worker:
+        parts = worker.rsplit(":", 2)
+        if len(parts) == 3 and parts[1].isdigit():
+            host, process = parts[0], f"{parts[1]}:{parts[2]}"
+        elif len(parts) >= 2 and parts[-1].isdigit():
+            host, process = worker.rsplit(":", 1)
+    for q in queues or ():
+        if q.endswith(PIDBOX) and len(q) > len(PIDBOX):
+            return q[:-len(PIDBOX)], process
+    return host, process
 
 
 def routes(dash: Dashboard) -> list[BaseRoute]:
@@ -385,7 +393,7 @@ def routes(dash: Dashboard) -> list[BaseRoute]:
                 per.setdefault(s["worker"], {})[s["outcome"]] = int(s["n"])
             for w in data["rows"]:
                 w["shard"] = label
-                w["node"], w["process"] = node_of(w["worker"])
+                w["node"], w["process"] = node_of(w["worker"], w.get("queues"))
                 mine = per.get(w["worker"], {})
                 w["settled"] = sum(mine.values())
                 w["rate"] = round(w["settled"] / minutes, 2)
