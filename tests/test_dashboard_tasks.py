@@ -440,7 +440,7 @@ def test_a_real_workers_settles_on_the_tasks_and_workers_pages(db, recorder_tabl
                                                                start_worker, client):
     """A real ``celery worker`` runs 20 tasks: the tasks page counts the 20 settles its history
     holds, and the workers page names its node and its settles per minute (its counter shard
-    is its consumer row's identity)."""
+    is its consumer row's identity), and, asked, the pool and concurrency the worker tells."""
     from tests.conftest import import_app, wait_for
 
     schema = recorder_tables
@@ -472,4 +472,11 @@ def test_a_real_workers_settles_on_the_tasks_and_workers_pages(db, recorder_tabl
     node = re.search(r'<td title="[^"]*">([^<]*)</td>', row).group(1)
     assert node.startswith("w1@") and node.split("@", 1)[1] == consumer.rsplit(":", 2)[0]
     assert 'data-col="rate">4.0<' in row  # 20 settles over 5 minutes
+    assert 'data-col="pool">-<' in row and 'id="ask"' in page  # not recorded: asked on demand
+    # asked of the worker itself (remote control, as `celery inspect stats`)
+    page = c.get("/workers?inspect=1").text
+    row = re.search(rf'data-worker="{re.escape(consumer)}">(.*?)</tr>', page, re.S).group(1)
+    assert re.search(r'data-col="pool" title="celery.concurrency.thread:TaskPool">thread<', row)
+    assert 'data-col="concurrency">2<' in row
+    assert "1 of 1 workers answered" in page
     worker.kill()

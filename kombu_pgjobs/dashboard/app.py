@@ -173,6 +173,9 @@ class Dashboard:
     #: the schema version last read by :meth:`need` (a feature's page reads it until the
     #: schema is new enough, then trusts it)
     _version: int = field(default=0, init=False)
+    #: the database as given (a pgjobs:// or postgresql:// URL): the broker the workers page
+    #: asks the workers through (remote control)
+    broker_url: str = ""
     #: with a shard map: (label, dashboard of that database) for the default database (this
     #: one) and each database of the map; the pages that span the map read each (:meth:`each`)
     shards: list[tuple[str, Dashboard]] = field(default_factory=list, init=False)
@@ -412,7 +415,7 @@ def create_app(dsn: str, *, schema: str = "pgjobs", write: bool = False,
     conninfo = make_conninfo(
         conninfo, options=f"{startup} -c jit=off -c enable_bitmapscan=off".strip())
     dash = Dashboard(conninfo=conninfo, schema=schema, guard=guard, pool_size=pool_size,
-                     count_bound=count_bound, secure_cookies=secure_cookies)
+                     count_bound=count_bound, secure_cookies=secure_cookies, broker_url=dsn)
     shardmap = parse_shard_map(shards)
     if shardmap is not None:
         options = TransportOptions(schema=schema, statement_timeout=STATEMENT_TIMEOUT,

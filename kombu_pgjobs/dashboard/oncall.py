@@ -20,6 +20,7 @@ import json
 from datetime import datetime, timezone
 from typing import Any
 
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
@@ -273,6 +274,40 @@ def node_of(worker: str | None, queues: list[str] | None = None) -> tuple[str, s
     return host, process
 
 
+#: how long the workers page waits for the workers' answers to ``stats`` (remote control)
+INSPECT_TIMEOUT = 1.0
+
+
+def broker_url(dsn: str) -> str:
+    """The dashboard's database as a kombu broker URL (``pgjobs://``)."""
+    scheme, sep, rest = dsn.partition("://")
+    return dsn if scheme.startswith("pgjobs") or not sep else f"pgjobs://{rest}"
+
+
+def inspect_pools(url: str, schema: str, *, expect: int,
+                  timeout: float = INSPECT_TIMEOUT) -> dict[str, dict[str, Any]]:
+    """Ask every worker for its pool, as ``celery inspect stats`` does (Celery's remote
+    control: a broadcast on the ``celery`` mailbox, answers on a reply queue of its own):
+    {node name: {"pool", "concurrency"}}. Waits at most ``timeout`` seconds, less once
+    ``expect`` workers answered."""
+    from kombu import Connection
+    from kombu.pidbox import Mailbox
+
+    mailbox = Mailbox("celery", type="fanout", accept=["json"], serializer="json")
+    with Connection(url, transport_options={"schema": schema}) as conn:
+        replies = mailbox(conn)._broadcast("stats", {}, None, reply=True, timeout=timeout,
+                                           limit=expect or None)
+    out: dict[str, dict[str, Any]] = {}
+    for reply in replies or []:
+        for node, stats in (reply or {}).items():
+            pool = (stats or {}).get("pool") or {}
+            impl = str(pool.get("implementation") or "")
+            out[node] = {"pool": impl.rsplit(".", 1)[-1].split(":", 1)[0] or None,
+                         "implementation": impl or None,
+                         "concurrency": pool.get("max-concurrency")}
+    return out
+
+
 def routes(dash: Dashboard) -> list[BaseRoute]:
     async def task_list(request: Request) -> Response:
         window = _arg(request, "window") or "1h"
@@ -386,6 +421,21 @@ def routes(dash: Dashboard) -> list[BaseRoute]:
             return {"rows": rows, "settles": settles}
 
         found = await dash.each(read)
+        inspect = request.query_params.get("inspect") == "1"
+        pools: dict[str, dict[str, Any]] = {}
+        asked: str | None = None
+        if inspect:  # the workers' own answer (remote control): pool and concurrency
+            alive = {q[:-len(PIDBOX)] for _, data in found for w in data["rows"] if w["alive"]
+                     for q in (w["queues"] or []) if q.endswith(PIDBOX)}
+            try:
+                pools = await run_in_threadpool(
+                    inspect_pools, broker_url(dash.broker_url), dash.schema,
+                    expect=len(alive))
+                asked = (f"{len(pools)} of {len(alive)} workers answered"
+                         if alive else f"{len(pools)} workers answered")
+            except Exception as exc:  # a read-only role cannot publish; the broker is down
+                asked = f"the workers could not be asked: {type(exc).__name__}: " \
+                        f"{str(exc).splitlines()[0] if str(exc) else ''}"[:300]
         rows = []
         for label, data in found:  # every database of a shard map: a worker settles on each
             per: dict[str, dict[str, int]] = {}
@@ -398,9 +448,13 @@ def routes(dash: Dashboard) -> list[BaseRoute]:
                 w["settled"] = sum(mine.values())
                 w["rate"] = round(w["settled"] / minutes, 2)
                 w["failed"] = mine.get("failed", 0) + mine.get("dead", 0)
+                told = pools.get(w["node"]) or {}
+                w["pool"], w["concurrency"] = told.get("pool"), told.get("concurrency")
+                w["pool_impl"] = told.get("implementation")
                 rows.append(w)
         return dash.render(request, "workers.html", {
-            "workers": rows, "minutes": minutes, "sharded": len(found) > 1})
+            "workers": rows, "minutes": minutes, "sharded": len(found) > 1,
+            "inspect": inspect, "asked": asked, "timeout": INSPECT_TIMEOUT})
 
     return [
         Route("/tasks", task_list, name="tasks"),
