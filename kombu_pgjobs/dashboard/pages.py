@@ -42,7 +42,7 @@ ARGS_PREVIEW = 2000
 #: the parts of a message that can be downloaded whole
 PARTS = ("body", "headers", "properties")
 #: settle outcomes drawn as "went wrong" in the chart (the rest: done)
-BAD_OUTCOMES = ("dead", "failed", "rejected", "expired")
+BAD_OUTCOMES = ("failed", "dropped", "refused", "expired")
 
 
 class Cut(str):
@@ -70,8 +70,8 @@ def _arg(request: Request, name: str) -> str | None:
 
 def chart(series: dict[str, list[int]], minutes: int = CHART_MINUTES,
           height: int = 28) -> dict[str, Any]:
-    """One queue's settles per minute as SVG bars: good (acked, ...) under bad (dead, failed,
-    rejected, expired), scaled to the busiest minute."""
+    """One queue's settles per minute as SVG bars: good (completed, requeued, ...) under bad
+    (failed, dropped, refused, expired), scaled to the busiest minute."""
     good = [0] * minutes
     bad = [0] * minutes
     for outcome, values in series.items():
