@@ -210,6 +210,17 @@ DASH_CASES: dict[str, tuple[Callable[[dict[str, Any]], str], dict[str, str], str
                         1, {"id": "{off_hook}"}),
     "webhooks disable": (lambda s: f"/webhooks/{s['hook']}/disable", {}, "webhooks disable",
                          1, {"id": "{hook}"}),
+    # the lists' checkboxes: the exact ids selected
+    "dead requeue selected": (lambda s: "/dead/selected/requeue", {"ids": "{dead}"},
+                              "dead requeue", 1, {"ids": "{dead}"}),
+    "dead purge selected": (lambda s: "/dead/selected/purge", {"ids": "{dead}"},
+                            "dead purge", 1, {"ids": "{dead}"}),
+    "requeue selected": (lambda s: "/messages/selected/requeue", {"ids": "{delayed}"},
+                         "requeue", 1, {"ids": "{delayed}"}),
+    "cancel selected": (lambda s: "/messages/selected/cancel", {"ids": "{ready}"},
+                        "cancel", 1, {"ids": "{ready}"}),
+    "schedule run": (lambda s: "/schedules/nightly/report/run", {}, "schedule run", 1,
+                     {"name": "nightly/report"}),
 }
 
 
@@ -221,7 +232,9 @@ def test_every_dashboard_action_has_a_case(client):
                "/queues/{name:path}/purge", "/messages/{id}/requeue", "/messages/{id}/cancel",
                "/dead/{id}/requeue", "/dead/{id}/purge", "/dead/requeue", "/dead/purge",
                "/schedules/{name:path}/pause", "/schedules/{name:path}/resume",
-               "/webhooks/{id}/enable", "/webhooks/{id}/disable"}
+               "/webhooks/{id}/enable", "/webhooks/{id}/disable", "/dead/selected/requeue",
+               "/dead/selected/purge", "/messages/selected/requeue",
+               "/messages/selected/cancel", "/schedules/{name:path}/run"}
     assert posts == covered
 
 
