@@ -20,30 +20,16 @@ import psycopg
 import pytest
 
 from .conftest import wait_for
+from .test_cancel_running import APP, _count, _finished, _started
 
 pytestmark = pytest.mark.e2e
 
-APP = "tests.apps.parity"
 POOLS = ["prefork", "threads", "gevent", "eventlet"]
 #: seconds past the deadline a worker may take to exit: the hand-back, Celery's pool stop,
 #: celery_ext's COLD_GRACE (threads: 3 s for runs that cannot be stopped from outside) and
 #: Celery's green loop (gevent, eventlet: it drains for up to 2 s twice before it stops; measured
 #: 4.6-5.5 s), with room for a loaded machine; celery_ext.cancel.GREEN_GRACE (8 s) bounds it
 EXIT_BOUND = 10.0
-
-
-def _count(db: psycopg.Connection[Any], query: str, *args: Any) -> Any:
-    return db.execute(query, args).fetchone()[0]
-
-
-def _started(db: psycopg.Connection[Any], schema: str, label: str) -> int:
-    return _count(db, f'SELECT count(*) FROM "{schema}".pgjobs_test_start WHERE label = %s',
-                  label)
-
-
-def _finished(db: psycopg.Connection[Any], schema: str, label: str) -> int:
-    return _count(db, f'SELECT count(*) FROM "{schema}".pgjobs_test_run WHERE label = %s',
-                  label)
 
 
 def _jobs(db: psycopg.Connection[Any], schema: str) -> dict[str, list[Any]]:
