@@ -22,9 +22,9 @@ import time
 
 import psycopg
 
-from kombu_pgjobs.core import NewJob, QueueCore
-from kombu_pgjobs.database import connect
-from kombu_pgjobs.schema import migrate
+from kombu_pgjobs.store.core import NewJob, QueueCore
+from kombu_pgjobs.store.database import connect
+from kombu_pgjobs.store.schema import migrate
 
 URL = os.environ.get("BENCH_PG_URL", "postgresql://postgres@127.0.0.1:5432/test")
 SCHEMA = "bench_claim"

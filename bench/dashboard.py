@@ -42,8 +42,8 @@ from typing import Any
 import psycopg
 from starlette.testclient import TestClient
 
-from kombu_pgjobs.dashboard import create_app
-from kombu_pgjobs.schema import migrate
+from kombu_pgjobs.ops.dashboard import create_app
+from kombu_pgjobs.store.schema import migrate
 
 DB = "bench_dashboard"
 SCHEMA = "bench_dashboard"
@@ -212,7 +212,7 @@ def screenshots(directory: str) -> None:
         dead = conn.execute(f"SELECT max(id) FROM {s}.pgjobs_dead_letter").fetchone()[0]
     token = "screenshot-token-0123456789"
     server = subprocess.Popen(
-        [sys.executable, "-m", "kombu_pgjobs.cli", "dashboard", "--dsn", URL, "--schema",
+        [sys.executable, "-m", "kombu_pgjobs.ops.cli", "dashboard", "--dsn", URL, "--schema",
          SCHEMA, "--write", "--port", "8799"], env={**os.environ, "PGJOBS_DASHBOARD_TOKEN": token})
     base = "http://127.0.0.1:8799"
     options = webdriver.ChromeOptions()
@@ -316,8 +316,8 @@ def history_scenario(rows: int, requests: int, keep: bool) -> list[dict[str, Any
     over 7 days, its rollups up to the last closed minute but one, the watermark there, as a
     keeper leaves them), then time the tasks page's statement and HTTP requests (each window,
     sorted two ways), a task's page and the history search; drop the schema."""
-    from kombu_pgjobs.dashboard.oncall import TAIL, WINDOWS
-    from kombu_pgjobs.dashboard.queries import queries
+    from kombu_pgjobs.ops.dashboard.oncall import TAIL, WINDOWS
+    from kombu_pgjobs.ops.dashboard.queries import queries
 
     s = f'"{HISTORY_SCHEMA}"'
     out: list[dict[str, Any]] = []

@@ -28,10 +28,10 @@ import kombu
 import psycopg
 
 import kombu_pgjobs
-from kombu_pgjobs.backend import release_all
-from kombu_pgjobs.core import NewJob, QueueCore
-from kombu_pgjobs.database import connect
-from kombu_pgjobs.schema import migrate
+from kombu_pgjobs.broker.backend import release_all
+from kombu_pgjobs.store.core import NewJob, QueueCore
+from kombu_pgjobs.store.database import connect
+from kombu_pgjobs.store.schema import migrate
 
 URL = "pgjobs://postgres@127.0.0.1:5432/test"
 SCHEMA = "bench_depth"

@@ -22,10 +22,10 @@ import time
 
 import psycopg
 
-from kombu_pgjobs.backend import Backend
-from kombu_pgjobs.core import QueueCore
+from kombu_pgjobs.broker.backend import Backend
 from kombu_pgjobs.options import TransportOptions
-from kombu_pgjobs.schema import migrate
+from kombu_pgjobs.store.core import QueueCore
+from kombu_pgjobs.store.schema import migrate
 
 URL = os.environ.get("BENCH_PG_URL", "postgresql://postgres@127.0.0.1:5432/test")
 SCHEMA = "bench_fence"

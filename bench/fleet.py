@@ -77,7 +77,7 @@ from bench.pgidle import tcp_writes
 from bench.pgstats import settle, transactions
 from bench.report import cell, summarize
 from bench.worker import Worker, stop_all
-from kombu_pgjobs.schema import migrate
+from kombu_pgjobs.store.schema import migrate
 
 DATABASE = "bench_fleet"
 SCHEMA = "pgjobs"  # the transport's default
@@ -292,7 +292,7 @@ class Publisher:
         return time.time()
 
     def close(self) -> None:
-        from kombu_pgjobs.backend import release_all
+        from kombu_pgjobs.broker.backend import release_all
 
         self.conn.release()
         release_all()

@@ -24,8 +24,8 @@ from typing import Any
 
 import psycopg
 
-from kombu_pgjobs.core import NewJob, QueueCore
-from kombu_pgjobs.schema import migrate
+from kombu_pgjobs.store.core import NewJob, QueueCore
+from kombu_pgjobs.store.schema import migrate
 
 URL = os.environ.get("BENCH_PG_URL", "postgresql://postgres@127.0.0.1:5432/test")
 

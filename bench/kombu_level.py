@@ -16,8 +16,8 @@ from typing import Any
 import kombu
 import psycopg
 
-from kombu_pgjobs.backend import release_all
-from kombu_pgjobs.core import job_from_message
+from kombu_pgjobs.broker.backend import release_all
+from kombu_pgjobs.store.core import job_from_message
 
 SCHEMA = "bench_kombu"
 

@@ -32,9 +32,9 @@ import kombu
 import psycopg
 
 from bench.kombu_level import consume_and_ack, publish_in_batches
-from kombu_pgjobs.backend import release_all
-from kombu_pgjobs.core import job_from_message
+from kombu_pgjobs.broker.backend import release_all
 from kombu_pgjobs.limits import LIMITS_HEADER
+from kombu_pgjobs.store.core import job_from_message
 
 SCHEMA = "bench_limits"
 

@@ -58,8 +58,8 @@ import psycopg
 
 from bench.brokers import ensure_database, pg_dsn
 from bench.pgstats import settle, transactions
-from kombu_pgjobs.backend import release_all
-from kombu_pgjobs.schema import migrate
+from kombu_pgjobs.broker.backend import release_all
+from kombu_pgjobs.store.schema import migrate
 
 DATABASE = "bench_notify"
 SCHEMA = "bench_notify"
@@ -74,7 +74,7 @@ def _url() -> str:
 def _broadcast_trigger() -> str:
     """Version 1's insert trigger and its function, as its migration wrote them (version 17
     dropped both): the ``broadcast`` comparison."""
-    text = resources.files("kombu_pgjobs.schema").joinpath("0001_initial.sql").read_text()
+    text = resources.files("kombu_pgjobs.store.schema").joinpath("0001_initial.sql").read_text()
     start = text.index("CREATE FUNCTION {schema}.pgjobs_notify_v1()")
     end = text.index("EXECUTE FUNCTION {schema}.pgjobs_notify_v1();", start)
     return text[start:end + len("EXECUTE FUNCTION {schema}.pgjobs_notify_v1();")]

@@ -13,7 +13,7 @@ commits, pgjobs broker in the same database, schema ``bench_outbox`` of database
 * many ``delay()`` in one block: per-task cost when a transaction publishes many
 * staged for Redis, one task per transaction: the outbox with a broker elsewhere
 
-Relay side: N staged rows published by one in-process :class:`kombu_pgjobs.relay.Relay` to
+Relay side: N staged rows published by one in-process :class:`kombu_pgjobs.broker.relay.Relay` to
 Redis and to RabbitMQ (publisher confirms), rows/s until the outbox is empty.
 
 Kept short (N=2000: well under a minute here); ``--n`` changes it. Not a test: numbers only.
@@ -32,8 +32,8 @@ import psycopg
 from celery import Celery
 
 import celery_ext
-from kombu_pgjobs.relay import Relay
-from kombu_pgjobs.schema import migrate
+from kombu_pgjobs.broker.relay import Relay
+from kombu_pgjobs.store.schema import migrate
 
 ADMIN = "postgresql://postgres@127.0.0.1:5432/postgres"
 DB = "bench_outbox"

@@ -48,7 +48,7 @@ def _stamp(key: str, fn: Callable[..., Any], *, after: bool = False) -> Callable
 def _install() -> None:
     url = os.environ.get("BENCH_BROKER_URL", "")
     if url.startswith("pgjobs"):
-        from kombu_pgjobs.consumer import ConsumerLoop
+        from kombu_pgjobs.broker.consumer import ConsumerLoop
 
         ConsumerLoop._notified = _stamp("woke", ConsumerLoop._notified)  # type: ignore[method-assign]
         ConsumerLoop._take_handed = _stamp(  # type: ignore[method-assign]

@@ -87,7 +87,7 @@ def nap(self: Any) -> None:
 
 # -- the bench -------------------------------------------------------------------------------------
 def _prepare() -> None:
-    from kombu_pgjobs.schema import migrate
+    from kombu_pgjobs.store.schema import migrate
 
     with psycopg.connect(URL, autocommit=True) as conn:
         conn.execute(f"DROP SCHEMA IF EXISTS {SCHEMA} CASCADE")

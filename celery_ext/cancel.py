@@ -56,12 +56,12 @@ from celery import platforms as _platforms
 from celery import signals
 from celery.exceptions import Ignore
 
-from kombu_pgjobs.admin import Admin
-from kombu_pgjobs.backend import add_run_listener, cut_off, release_all
-from kombu_pgjobs.database import connect, conninfo_from_url
+from kombu_pgjobs.broker.backend import add_run_listener, cut_off, release_all
+from kombu_pgjobs.broker.transport import parse_shard_tag
 from kombu_pgjobs.events import log_event
 from kombu_pgjobs.options import TransportOptions
-from kombu_pgjobs.transport import parse_shard_tag
+from kombu_pgjobs.store.admin import Admin
+from kombu_pgjobs.store.database import connect, conninfo_from_url
 
 __all__ = ["Cancelled", "cancel", "cancelled", "checkpoint", "start_stopping"]
 

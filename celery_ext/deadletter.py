@@ -25,11 +25,11 @@ from typing import Any
 from celery.exceptions import Ignore, Reject, Retry, TimeLimitExceeded
 from kombu.serialization import dumps
 
-from kombu_pgjobs.admin import record_dead_letter
-from kombu_pgjobs.backend import Backend
-from kombu_pgjobs.history import record_outcome
-from kombu_pgjobs.transport import Transport as PgJobsTransport
-from kombu_pgjobs.transport import parse_shard_tag
+from kombu_pgjobs.broker.backend import Backend
+from kombu_pgjobs.broker.transport import Transport as PgJobsTransport
+from kombu_pgjobs.broker.transport import parse_shard_tag
+from kombu_pgjobs.store.admin import record_dead_letter
+from kombu_pgjobs.store.history import record_outcome
 
 from .retry import rule_of
 from .state import installed

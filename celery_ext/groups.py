@@ -41,8 +41,8 @@ from typing import Any, TypeVar
 
 from celery import canvas
 
-from kombu_pgjobs.batching import batch
-from kombu_pgjobs.transport import Transport
+from kombu_pgjobs.broker.batching import batch
+from kombu_pgjobs.broker.transport import Transport
 
 from .state import installed
 

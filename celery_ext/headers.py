@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from kombu_pgjobs.core import MAX_ATTEMPTS_HEADER
+from kombu_pgjobs.store.core import MAX_ATTEMPTS_HEADER
 
 __all__ = ["with_task_headers"]
 

@@ -38,9 +38,9 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
-from kombu_pgjobs.core import IDEMPOTENCY_HEADER, MAX_QUEUED_HEADER
 from kombu_pgjobs.errors import InvalidIdempotencyKey
 from kombu_pgjobs.limits import check_cap, check_key
+from kombu_pgjobs.store.core import IDEMPOTENCY_HEADER, MAX_QUEUED_HEADER
 
 from .groups import once_per_group
 from .limits import TENANT_HEADER

@@ -39,12 +39,12 @@ import psycopg
 from celery import bootsteps, current_app
 from celery._state import _get_active_apps
 
-from kombu_pgjobs import outbox
-from kombu_pgjobs.database import conninfo_from_url
+from kombu_pgjobs.broker import outbox
+from kombu_pgjobs.broker.relay import Relay
 from kombu_pgjobs.errors import ConfigurationError, NotInTransaction, UnsupportedConnection
 from kombu_pgjobs.events import one_line
 from kombu_pgjobs.options import TransportOptions
-from kombu_pgjobs.relay import Relay
+from kombu_pgjobs.store.database import conninfo_from_url
 
 __all__ = ["OutboxRelay", "hook_app", "psycopg_connection", "transaction"]
 

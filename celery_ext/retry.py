@@ -32,9 +32,9 @@ from celery import Task as CeleryTask
 from celery.exceptions import TaskPredicate
 from celery.utils.time import get_exponential_backoff_interval
 
-from kombu_pgjobs.admin import LAST_ERROR_HEADER
-from kombu_pgjobs.core import take_publish_outcome
 from kombu_pgjobs.errors import InvalidLimit, InvalidTaskOption, PgJobsError, PublishFailed
+from kombu_pgjobs.store.admin import LAST_ERROR_HEADER
+from kombu_pgjobs.store.core import take_publish_outcome
 
 from .headers import with_task_headers
 from .idempotency import check_idempotency_option, retrying, with_guards

@@ -1,4 +1,4 @@
-"""``celery inspect scheduled`` answered from Postgres: now in :mod:`kombu_pgjobs.scheduled`,
+"""``celery inspect scheduled`` answered from Postgres: now in :mod:`kombu_pgjobs.broker.scheduled`,
 installed with no step by the hook that registers the ``pgjobs`` URL scheme when Celery loads
 ``celery.worker.control``. Kept so imports of this module go on working."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from celery.worker import control
 
-from kombu_pgjobs.scheduled import LIMIT, install, scheduled
+from kombu_pgjobs.broker.scheduled import LIMIT, install, scheduled
 
 __all__ = ["LIMIT", "install_scheduled", "scheduled"]
 

@@ -34,7 +34,7 @@ Design
    an idle replica runs one statement per round.
 2. The leader computes due occurrences from each entry's durable watermark
    (:mod:`kombu_pgjobs.recurrence`) and fires each in ONE statement
-   (:meth:`kombu_pgjobs.scheduling.ScheduleStore.fire`): the fence (term and holder current,
+   (:meth:`kombu_pgjobs.store.scheduling.ScheduleStore.fire`): the fence (term and holder current,
    lease unexpired, leader row locked FOR SHARE, entry unchanged and behind) moves the
    watermark, inserts the message row with the queue core's own insert, and records the fire.
    A deposed leader's fire matches no row; a crash before the commit leaves the occurrence to
@@ -63,10 +63,9 @@ from typing import Any
 import psycopg
 from celery import beat, schedules
 
-from kombu_pgjobs.backend import Backend
-from kombu_pgjobs.batching import capture
-from kombu_pgjobs.core import QueueCore
-from kombu_pgjobs.database import connect, conninfo_from_url
+from kombu_pgjobs.broker.backend import Backend
+from kombu_pgjobs.broker.batching import capture
+from kombu_pgjobs.broker.transport import Transport as PgJobsTransport
 from kombu_pgjobs.errors import (
     ConfigurationError,
     InvalidSchedule,
@@ -88,9 +87,10 @@ from kombu_pgjobs.recurrence import (
     walk,
     zone,
 )
-from kombu_pgjobs.scheduling import EntryDef, EntryRow, Lease, ScheduleStore, validate_entry
-from kombu_pgjobs.schema import current_version, latest_version, migrate
-from kombu_pgjobs.transport import Transport as PgJobsTransport
+from kombu_pgjobs.store.core import QueueCore
+from kombu_pgjobs.store.database import connect, conninfo_from_url
+from kombu_pgjobs.store.scheduling import EntryDef, EntryRow, Lease, ScheduleStore, validate_entry
+from kombu_pgjobs.store.schema import current_version, latest_version, migrate
 
 from .outbox import transaction as outbox_transaction
 

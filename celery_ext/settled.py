@@ -45,9 +45,9 @@ from celery.exceptions import Reject, Retry
 from celery.utils.dispatch import Signal
 from celery.worker.request import Request
 
-from kombu_pgjobs.backend import add_settle_listener
-from kombu_pgjobs.core import TENANT_HEADER
-from kombu_pgjobs.transport import parse_shard_tag
+from kombu_pgjobs.broker.backend import add_settle_listener
+from kombu_pgjobs.broker.transport import parse_shard_tag
+from kombu_pgjobs.store.core import TENANT_HEADER
 
 __all__ = ["OutcomeRequest", "on_settled", "start_telling"]
 
@@ -57,7 +57,7 @@ on_settled = Signal(
     name="on_settled",
     providing_args={"outcome", "task_id", "job_id", "attempts", "retries", "tenant"})
 
-#: the transport's settle (kombu_pgjobs.backend) -> on_settled's word, for settles that are
+#: the transport's settle (kombu_pgjobs.broker.backend) -> on_settled's word, for settles that are
 #: outcomes by themselves; an ack waits for the run's outcome
 _SETTLED = {"requeued": "requeued", "dead": "failed", "cancelled": "cancelled"}
 #: the most runs remembered while their ack or their outcome is still to come
@@ -157,10 +157,10 @@ class OutcomeRequest(Request):
 
     def _tell_transport(self, outcome: str) -> None:
         """Tell the message's backend how this run ended, for its counters and history
-        (kombu_pgjobs.history): with acks_late the ack that follows carries the word; an early
+        (kombu_pgjobs.store.history): with acks_late the ack that follows carries the word; an early
         ack already landed (counted ``completed`` when the run started), so its history row is
         amended (one statement). Never raises."""
-        from kombu_pgjobs.history import record_outcome
+        from kombu_pgjobs.store.history import record_outcome
 
         from .deadletter import _backend
 

@@ -30,7 +30,8 @@ that was cancelled or cut off writes nothing, and is told so (``StepFenced``, ``
 which ends the run as a cancel does). A suspension is control flow: :class:`Suspended`, an
 ``Ignore``, ends the run; the worker's main process (the holder of the lease, whatever the pool)
 parks the message: it stops renewing the lease, then hands the row back in one fenced
-statement, and drops the ack Celery sends after (:meth:`kombu_pgjobs.backend.Backend.release`).
+statement, and drops the ack Celery sends after
+(:meth:`kombu_pgjobs.broker.backend.Backend.release`).
 
 Needs: a ``pgjobs://`` broker, ``celery_ext.install(app)``, ``bind=True`` and
 ``acks_late=True``. A task that never calls :func:`of` pays nothing; each step costs one
@@ -50,9 +51,9 @@ import psycopg
 from celery import signals
 from celery.exceptions import Ignore, TaskPredicate
 
-from kombu_pgjobs import outbox
-from kombu_pgjobs import steps as db
-from kombu_pgjobs.backend import Backend
+from kombu_pgjobs.broker import outbox
+from kombu_pgjobs.broker.backend import Backend
+from kombu_pgjobs.broker.transport import parse_shard_tag
 from kombu_pgjobs.errors import (
     DuplicateStep,
     EmitElsewhere,
@@ -64,7 +65,7 @@ from kombu_pgjobs.errors import (
     StepsUnavailable,
 )
 from kombu_pgjobs.events import log_event, one_line
-from kombu_pgjobs.transport import parse_shard_tag
+from kombu_pgjobs.store import steps as db
 
 from .cancel import Cancelled
 from .deadletter import _all_backends, _backend, storable

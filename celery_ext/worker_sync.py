@@ -6,7 +6,7 @@ about. Both need only a fanout exchange and remote control, which pgjobs has (bi
 Postgres): celery_ext adds pgjobs (``driver_type`` ``postgresql``) to the transports they accept.
 ``--without-mingle`` and ``--without-gossip`` still turn them off.
 
-Better than mingle: the revokes pgjobs keeps in Postgres (see :mod:`kombu_pgjobs.revoke`) are
+Better than mingle: the revokes pgjobs keeps in Postgres (see :mod:`kombu_pgjobs.store.revoke`) are
 loaded by every starting worker (:func:`load_revokes`), so they survive a restart of the whole
 fleet, which mingle (asking the workers that are up) cannot.
 """
@@ -19,9 +19,9 @@ from typing import Any
 from celery.worker.consumer.gossip import Gossip
 from celery.worker.consumer.mingle import Mingle
 
-from kombu_pgjobs.backend import set_identity
+from kombu_pgjobs.broker.backend import set_identity
+from kombu_pgjobs.broker.transport import Transport
 from kombu_pgjobs.events import one_line
-from kombu_pgjobs.transport import Transport
 
 from .state import installed
 

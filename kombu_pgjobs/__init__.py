@@ -21,6 +21,6 @@ _alias.register()
 
 def __getattr__(name: str) -> object:
     if name == "batch":
-        from .batching import batch
+        from .broker.batching import batch
         return batch
     raise AttributeError(name)

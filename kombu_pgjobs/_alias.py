@@ -8,9 +8,9 @@ registers it directly as well.
 
 The same hook makes the rest of what an app that only changed ``broker_url`` expects work, each
 when (and only if) the module it completes is imported: Flower's broker page and queue-length
-API (``flower.utils.broker``: :mod:`kombu_pgjobs.flower`) and ``celery inspect scheduled``
-(``celery.worker.control``: :mod:`kombu_pgjobs.scheduled`). kombu_pgjobs imports neither Flower
-nor Celery: it is handed their module as it is loaded.
+API (``flower.utils.broker``: :mod:`kombu_pgjobs.ops.flower`) and ``celery inspect scheduled``
+(``celery.worker.control``: :mod:`kombu_pgjobs.broker.scheduled`). kombu_pgjobs imports neither
+Flower nor Celery: it is handed their module as it is loaded.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 from urllib.parse import unquote
 
 ALIAS = "pgjobs"
-TARGET = "kombu_pgjobs.transport:Transport"
+TARGET = "kombu_pgjobs.broker.transport:Transport"
 
 
 def register(module: object = None) -> None:
@@ -78,7 +78,7 @@ def _teach_host_lists() -> None:
 
 def _flower(module: object) -> None:
     try:
-        from .flower import register as register_flower
+        from .ops.flower import register as register_flower
 
         register_flower(module)
     except Exception:  # never break the import of Flower itself
@@ -87,7 +87,7 @@ def _flower(module: object) -> None:
 
 def _celery_control(module: object) -> None:
     try:
-        from .scheduled import install as install_scheduled
+        from .broker.scheduled import install as install_scheduled
 
         install_scheduled(module)
     except Exception:  # never break the import of Celery itself

@@ -364,7 +364,7 @@ def _check_connect_options(extra: Mapping[str, str]) -> None:
     """connect_options keys that pgjobs sets itself from its own options are refused, naming the
     option to use instead (a duplicate keyword used to end a worker with a TypeError). URL parts
     (host, port, user, password, dbname) are merged when the URL leaves them out: see
-    :func:`kombu_pgjobs.database.conninfo_from_parts`."""
+    :func:`kombu_pgjobs.store.database.conninfo_from_parts`."""
     unknown = sorted(str(k) for k in extra if k not in LIBPQ_KEYWORDS)
     if unknown:
         raise InvalidOption(

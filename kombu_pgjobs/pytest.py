@@ -80,7 +80,7 @@ class ThrowawayDatabase:
         from psycopg import sql
 
         if self.server_dsn is None:
-            from kombu_pgjobs import embedded
+            from kombu_pgjobs.store import embedded
 
             try:
                 embedded.ensure_server(self.name)  # creates the database too
@@ -106,11 +106,11 @@ class ThrowawayDatabase:
         import psycopg
         from psycopg import sql
 
-        from kombu_pgjobs.backend import release_all
+        from kombu_pgjobs.broker.backend import release_all
 
         release_all()  # this process's pgjobs connections and keeper threads
         if self.server_dsn is None:
-            from kombu_pgjobs import embedded
+            from kombu_pgjobs.store import embedded
 
             admin = embedded.ensure_server("postgres")
         else:
@@ -164,10 +164,10 @@ def _admin_run(url: str, schema: str, work: Callable[[Any], Any], empty: Any) ->
     schema there yet (no worker or publisher has connected)."""
     import psycopg
 
-    from kombu_pgjobs.admin import Admin
-    from kombu_pgjobs.database import connect, conninfo_from_url
     from kombu_pgjobs.errors import NotFound
     from kombu_pgjobs.options import TransportOptions
+    from kombu_pgjobs.store.admin import Admin
+    from kombu_pgjobs.store.database import connect, conninfo_from_url
 
     conninfo = conninfo_from_url(url, TransportOptions.parse({}, warn=False))
     with connect(conninfo, prepare=False) as conn:

@@ -15,7 +15,7 @@ Remote control (``*.pidbox``, Celery's pidbox and reply queues) and events (``ce
 never move: they, and every binding, stay on the default database. A pattern that names them
 is refused (``PGJ-231``).
 
-This module only parses and resolves; it opens no connection (:mod:`kombu_pgjobs.sharding`
+This module only parses and resolves; it opens no connection (:mod:`kombu_pgjobs.broker.sharding`
 composes the per-database backends and consumer loops).
 """
 

@@ -30,7 +30,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from kombu_pgjobs.backend import release_all
+from kombu_pgjobs.broker.backend import release_all
 
 DSN = os.environ.get("PGJOBS_TEST_DSN", "postgresql://postgres@127.0.0.1:5432/test")
 ROOT = Path(__file__).resolve().parent.parent

@@ -17,11 +17,11 @@ import psycopg
 import pytest
 from cryptography.fernet import Fernet
 
-from kombu_pgjobs.cli import AUDITED
-from kombu_pgjobs.cli import main as cli
-from kombu_pgjobs.core import QueueCore
-from kombu_pgjobs.scheduling import EntryDef, ScheduleStore
-from kombu_pgjobs.webhooks import WebhookStore
+from kombu_pgjobs.ops.cli.main import AUDITED
+from kombu_pgjobs.ops.cli.main import main as cli
+from kombu_pgjobs.store.core import QueueCore
+from kombu_pgjobs.store.scheduling import EntryDef, ScheduleStore
+from kombu_pgjobs.store.webhooks import WebhookStore
 from tests import test_dashboard
 from tests.test_cli import in_future, kill_dead, publish
 from tests.test_dashboard import SECRET, TOKEN, seeded, sign_in
@@ -330,7 +330,7 @@ def test_a_schema_before_the_audit_log_keeps_every_write_working(core, db, clien
                                                                   url, capsys):
     """On schema version 23 (no pgjobs_audit): the writes work and record nothing, the audit
     page and `pgjobs audit` say to migrate (PGJ-701); once migrated they work."""
-    from kombu_pgjobs.schema import migrate
+    from kombu_pgjobs.store.schema import migrate
 
     s = seeded(core, db)
     db.execute(f'DROP TABLE "{schema}".pgjobs_audit')

@@ -24,9 +24,6 @@ import pytest
 from celery import Celery
 
 import celery_ext
-from kombu_pgjobs.cli import main as cli
-from kombu_pgjobs.core import job_from_message
-from kombu_pgjobs.database import connect, conninfo_from_parts, conninfo_from_url, ssl_parameters
 from kombu_pgjobs.errors import (
     DatabaseTimeout,
     DatabaseUnavailable,
@@ -37,6 +34,7 @@ from kombu_pgjobs.errors import (
     MessageError,
     SchemaTooNew,
 )
+from kombu_pgjobs.ops.cli.main import main as cli
 from kombu_pgjobs.options import (
     QueueArguments,
     TransportOptions,
@@ -44,7 +42,14 @@ from kombu_pgjobs.options import (
     validate_exchange_name,
     validate_routing_key,
 )
-from kombu_pgjobs.schema import current_version, latest_version, migrate, migrations
+from kombu_pgjobs.store.core import job_from_message
+from kombu_pgjobs.store.database import (
+    connect,
+    conninfo_from_parts,
+    conninfo_from_url,
+    ssl_parameters,
+)
+from kombu_pgjobs.store.schema import current_version, latest_version, migrate, migrations
 
 from .conftest import DSN, wait_for
 

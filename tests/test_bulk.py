@@ -11,9 +11,9 @@ from typing import Any
 import psycopg
 import pytest
 
-from kombu_pgjobs.cli import main as cli
-from kombu_pgjobs.core import QueueCore
-from kombu_pgjobs.schema import migrate
+from kombu_pgjobs.ops.cli.main import main as cli
+from kombu_pgjobs.store.core import QueueCore
+from kombu_pgjobs.store.schema import migrate
 
 from .test_cli import claim, publish
 

@@ -14,7 +14,7 @@ import psycopg
 import pytest
 
 import celery_ext
-from kombu_pgjobs.cli import main as cli
+from kombu_pgjobs.ops.cli.main import main as cli
 
 from .conftest import wait_for
 

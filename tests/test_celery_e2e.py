@@ -14,7 +14,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from kombu_pgjobs.core import QueueCore
+from kombu_pgjobs.store.core import QueueCore
 
 from .conftest import ROOT, import_app, wait_for
 from .wirecount import WireCounter

@@ -22,8 +22,8 @@ from celery_ext.retry import (
     retry_after_delay,
     retry_after_seconds,
 )
-from kombu_pgjobs.cli import main as cli
 from kombu_pgjobs.errors import InvalidTaskOption
+from kombu_pgjobs.ops.cli.main import main as cli
 
 from .conftest import wait_for
 from .test_dead_letters import POISON, dead_rows, poison_app, runs, starts

@@ -13,7 +13,7 @@ import pytest
 from celery import chord
 from celery.exceptions import ChordError, TaskRevokedError
 
-from kombu_pgjobs.cli import main as cli
+from kombu_pgjobs.ops.cli.main import main as cli
 
 from .conftest import wait_for
 

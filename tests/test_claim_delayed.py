@@ -19,8 +19,8 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from kombu_pgjobs.core import NewJob, QueueCore
-from kombu_pgjobs.schema import migrate
+from kombu_pgjobs.store.core import NewJob, QueueCore
+from kombu_pgjobs.store.schema import migrate
 
 from .conftest import wait_for
 

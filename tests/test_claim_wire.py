@@ -8,9 +8,9 @@ from typing import Any
 
 import psycopg
 
-from kombu_pgjobs.core import QueueCore, WaitPlan, job_from_message
-from kombu_pgjobs.schema import migrate
-from kombu_pgjobs.sql import positional, raw_queries
+from kombu_pgjobs.store.core import QueueCore, WaitPlan, job_from_message
+from kombu_pgjobs.store.schema import migrate
+from kombu_pgjobs.store.sql import positional, raw_queries
 
 
 def _message(body: str) -> dict[str, Any]:
@@ -108,7 +108,7 @@ def test_one_prepared_claim_per_window_size_whatever_its_values(dsn: str, schema
     follow the values (an id as smallint, integer or bigint by its size, an empty list
     untyped). A worker's claim connection prepared a dozen claims, each planned anew (3-4 ms
     of the server's CPU); sent as text of unknown type, one per window size."""
-    from kombu_pgjobs.database import connect
+    from kombu_pgjobs.store.database import connect
 
     with connect(dsn) as conn:  # as a worker's: statements prepared on first use
         migrate(conn, schema)
@@ -208,7 +208,7 @@ def test_parking_a_full_keys_flood_reads_it_by_primary_key_when_the_statistics_s
     to its locking subquery, run again per row: 7.9 s for one claim with 2,000 rows of the
     key queued (schema 20: 54 ms). Counted in shared buffers, not time: EXPLAIN's buffers
     include the statements the claim's function runs."""
-    from kombu_pgjobs.backend import CLAIM_SESSION
+    from kombu_pgjobs.broker.backend import CLAIM_SESSION
 
     # psycopg's own prepared statements would make it DEALLOCATE ALL at the ROLLBACK below,
     # pgjt_claim included

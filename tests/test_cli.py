@@ -1,7 +1,8 @@
 """The `pgjobs` operator CLI against real Postgres: every command, its --json shape, its table
 output, and its errors (stable code, non-zero exit). Messages are set up through the queue core
 (publish, claim, bury) exactly as the transport does; the CLI runs in-process through
-``kombu_pgjobs.cli.main`` and, for the console script and the HTTP exporter, as a subprocess.
+``kombu_pgjobs.ops.cli.main.main`` and, for the console script and the HTTP exporter, as a
+subprocess.
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ from typing import Any
 import psycopg
 import pytest
 
-from kombu_pgjobs.cli import main as cli
-from kombu_pgjobs.core import QueueCore, job_from_message
-from kombu_pgjobs.schema import migrate
+from kombu_pgjobs.ops.cli.main import main as cli
+from kombu_pgjobs.store.core import QueueCore, job_from_message
+from kombu_pgjobs.store.schema import migrate
 
 PGJOBS = shutil.which("pgjobs", path=str(Path(sys.executable).parent)) or "pgjobs"
 

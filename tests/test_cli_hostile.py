@@ -28,9 +28,9 @@ import kombu
 import psycopg
 import pytest
 
-from kombu_pgjobs.admin import record_dead_letter
-from kombu_pgjobs.cli import _Secrets
-from kombu_pgjobs.schema import migrate
+from kombu_pgjobs.ops.cli.main import _Secrets
+from kombu_pgjobs.store.admin import record_dead_letter
+from kombu_pgjobs.store.schema import migrate
 
 PGJOBS = shutil.which("pgjobs", path=str(Path(sys.executable).parent)) or "pgjobs"
 SECRET = "s3cret-Pa55"

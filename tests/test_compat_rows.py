@@ -23,8 +23,8 @@ from typing import Any
 import psycopg
 import pytest
 
-from kombu_pgjobs import embedded
-from kombu_pgjobs.backend import release_all
+from kombu_pgjobs.broker.backend import release_all
+from kombu_pgjobs.store import embedded
 
 from .conftest import DSN, ROOT, import_app, wait_for
 

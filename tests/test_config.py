@@ -12,7 +12,6 @@ import kombu.exceptions
 import psycopg
 import pytest
 
-from kombu_pgjobs.cli import main as cli
 from kombu_pgjobs.errors import (
     InvalidName,
     InvalidOption,
@@ -20,8 +19,9 @@ from kombu_pgjobs.errors import (
     MessageError,
     all_error_classes,
 )
+from kombu_pgjobs.ops.cli.main import main as cli
 from kombu_pgjobs.options import TransportOptions, UnknownOptionWarning
-from kombu_pgjobs.schema import migrations
+from kombu_pgjobs.store.schema import migrations
 
 
 def _schema_exists(db: psycopg.Connection, schema: str) -> bool:
@@ -141,7 +141,7 @@ def test_every_option_is_documented():
 
 
 def test_ten_processes_migrate_once(dsn, schema, db):
-    code = ("import sys; from kombu_pgjobs.cli import main; "
+    code = ("import sys; from kombu_pgjobs.ops.cli.main import main; "
             f"sys.exit(main(['migrate', '--dsn', {dsn!r}, '--schema', {schema!r}, '--json']))")
     procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
              for _ in range(10)]

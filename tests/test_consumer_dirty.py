@@ -23,8 +23,8 @@ import kombu
 import psycopg
 import pytest
 
-from kombu_pgjobs import waiting
-from kombu_pgjobs.consumer import ConsumerLoop
+from kombu_pgjobs.broker import waiting
+from kombu_pgjobs.broker.consumer import ConsumerLoop
 
 FOREIGN = 150  # queues of other processes, published to while the consumer drains
 TEMPORARY = 12  # queues this connection consumes for a moment (reply queues)

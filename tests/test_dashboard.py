@@ -31,14 +31,13 @@ from starlette.applications import Starlette
 from starlette.routing import Mount
 from starlette.testclient import TestClient
 
-from kombu_pgjobs.cli import main as cli
-from kombu_pgjobs.core import QueueCore, job_from_message
-from kombu_pgjobs.dashboard import create_app
 from kombu_pgjobs.errors import DashboardTokenRequired
-from kombu_pgjobs.schedule_cli import _next_due
-from kombu_pgjobs.scheduling import EntryDef, ScheduleStore
-from kombu_pgjobs.schema import migrate
-from kombu_pgjobs.webhooks import WebhookStore
+from kombu_pgjobs.ops.cli.main import main as cli
+from kombu_pgjobs.ops.dashboard import create_app
+from kombu_pgjobs.store.core import QueueCore, job_from_message
+from kombu_pgjobs.store.scheduling import EntryDef, ScheduleStore, next_due
+from kombu_pgjobs.store.schema import migrate
+from kombu_pgjobs.store.webhooks import WebhookStore
 from tests.test_cli import claim, in_future, kill_dead, publish
 
 TOKEN = "correct-horse-battery-staple"
@@ -394,8 +393,8 @@ def test_cli_write_without_token_and_no_web_import(capsys, url, schema, monkeypa
     assert code == 2 and out["error"]["code"] == "PGJ-430"
     assert "kombu-pgjobs[dashboard]" in out["error"]["message"]
     monkeypatch.delitem(sys.modules, "uvicorn")
-    probe = ("import sys, kombu_pgjobs, kombu_pgjobs.cli, kombu_pgjobs.admin;"
-             "kombu_pgjobs.cli.build_parser();"
+    probe = ("import sys, kombu_pgjobs, kombu_pgjobs.ops.cli.main, kombu_pgjobs.store.admin;"
+             "kombu_pgjobs.ops.cli.main.build_parser();"
              "print(sorted(m for m in sys.modules if m.split('.')[0] in "
              "('starlette', 'jinja2', 'uvicorn', 'psycopg_pool')))")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
@@ -406,7 +405,7 @@ def test_cli_write_without_token_and_no_web_import(capsys, url, schema, monkeypa
 def test_overview_counts_are_exact_up_to_the_bound(core, db, schema):
     """The overview's statement (Admin.queues(bound=...)) agrees with the CLI's exact one up
     to the bound, and says "more" (bound + 1) beyond it, for every state and queue."""
-    from kombu_pgjobs.admin import Admin
+    from kombu_pgjobs.store.admin import Admin
 
     s = seeded(core, db)
     for _ in range(3):
@@ -470,7 +469,7 @@ def test_pages_survive_terminated_connections(core, db, client, schema):
 def test_tenant_page_is_bounded_paged_and_agrees_with_the_exact_counts(core, db, schema):
     """Admin.tenants (the tenants page): tenants in name order, keyset pages, and counts equal
     to the exact per-tenant statement (Admin.tenant_stats) up to the bound, "more" beyond."""
-    from kombu_pgjobs.admin import Admin
+    from kombu_pgjobs.store.admin import Admin
 
     for tenant, n in (("acme", 4), ("globex", 2), ("initech", 1)):
         for _ in range(n):
@@ -498,7 +497,7 @@ def test_limits_bounded_count_agrees_with_the_exact_one_up_to_the_bound(core, db
     """Admin.limits(bound=) (the dashboard's /limits): parked messages per key found by
     skipping through the parking index and counted up to bound + 1; the same keys, order and
     counts as the exact statement up to the bound."""
-    from kombu_pgjobs.admin import Admin
+    from kombu_pgjobs.store.admin import Admin
 
     for key, n in (("key:a", 5), ("key:b", 2), ("key:c", 1)):
         for _ in range(n):
@@ -552,7 +551,7 @@ def test_schedule_pages_show_what_the_store_reads(core, db, client, schema):
     assert set(rows) == {"nightly/report", "held", evil}
     for entry in store.load(db):
         row = rows[entry.name]
-        due = _next_due(entry)
+        due = next_due(entry)
         assert str(escape(entry.task)) in row and str(escape(entry.schedule)) in row
         assert (dashboard_ts(due) in row) if due else "<td>-</td>" in row
         assert f'<td class="n">{entry.fires}</td>' in row and entry.source in row
@@ -579,7 +578,7 @@ def test_schedule_pages_show_what_the_store_reads(core, db, client, schema):
 
 
 def dashboard_ts(value: Any) -> str:
-    from kombu_pgjobs.cli import _ts
+    from kombu_pgjobs.ops.common import ts_text as _ts
 
     return _ts(value)
 

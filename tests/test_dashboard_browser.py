@@ -24,8 +24,8 @@ from typing import Any
 import psycopg
 import pytest
 
-from kombu_pgjobs.core import QueueCore
-from kombu_pgjobs.schema import migrate
+from kombu_pgjobs.store.core import QueueCore
+from kombu_pgjobs.store.schema import migrate
 from tests.test_cli import claim, in_future, kill_dead, publish
 
 CHROMIUM = os.environ.get("PGJOBS_CHROMIUM", "/usr/bin/chromium")
@@ -63,7 +63,7 @@ def server(core: QueueCore, schema: str, url: str, tmp_path: Path) -> Iterator[s
     env = {**os.environ, "PGJOBS_DASHBOARD_TOKEN": TOKEN}
     with open(log, "wb") as fh:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "kombu_pgjobs.cli", "dashboard", "--dsn", url, "--schema",
+            [sys.executable, "-m", "kombu_pgjobs.ops.cli", "dashboard", "--dsn", url, "--schema",
              schema, "--write", "--port", str(port)],
             stdout=fh, stderr=subprocess.STDOUT, env=env)
     base = f"http://127.0.0.1:{port}"

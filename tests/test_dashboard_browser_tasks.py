@@ -13,7 +13,7 @@ from typing import Any
 
 import psycopg
 
-from kombu_pgjobs.core import QueueCore
+from kombu_pgjobs.store.core import QueueCore
 from tests.test_cli import claim, publish
 from tests.test_dashboard_browser import TOKEN, browser, core, server  # noqa: F401
 

@@ -20,12 +20,12 @@ import psycopg
 import pytest
 from starlette.testclient import TestClient
 
-from kombu_pgjobs.admin import Admin
-from kombu_pgjobs.core import QueueCore, job_from_message
-from kombu_pgjobs.dashboard import create_app
-from kombu_pgjobs.dashboard.pages import PART_PREVIEW, QUEUE_PAGE
-from kombu_pgjobs.dashboard.queries import internal, queue_page
-from kombu_pgjobs.schema import migrate
+from kombu_pgjobs.ops.dashboard import create_app
+from kombu_pgjobs.ops.dashboard.pages import PART_PREVIEW, QUEUE_PAGE
+from kombu_pgjobs.ops.dashboard.queries import internal, queue_page
+from kombu_pgjobs.store.admin import Admin
+from kombu_pgjobs.store.core import QueueCore, job_from_message
+from kombu_pgjobs.store.schema import migrate
 from tests.test_cli import claim, in_future, kill_dead, publish
 
 #: queues of the big overview, and Celery's own among them (hidden by default)

@@ -27,12 +27,12 @@ import psycopg
 import pytest
 from starlette.testclient import TestClient
 
-from kombu_pgjobs.cli import main as cli
-from kombu_pgjobs.core import QueueCore
-from kombu_pgjobs.dashboard import create_app
-from kombu_pgjobs.dashboard.security import FREE_FAILURES, check_token
 from kombu_pgjobs.errors import DashboardTokenRequired, DashboardWeakToken
-from kombu_pgjobs.schema import migrate
+from kombu_pgjobs.ops.cli.main import main as cli
+from kombu_pgjobs.ops.dashboard import create_app
+from kombu_pgjobs.ops.dashboard.security import FREE_FAILURES, check_token
+from kombu_pgjobs.store.core import QueueCore
+from kombu_pgjobs.store.schema import migrate
 from tests.test_cli import kill_dead, publish
 from tests.test_dashboard import csrf_of, sign_in
 
@@ -176,7 +176,7 @@ def test_rotating_the_tokens_ends_every_session(core, db, client, schema):
 
 
 def test_sessions_expire(core, db, client, schema):
-    from kombu_pgjobs.dashboard.security import IDLE_SECONDS, SESSION_SECONDS
+    from kombu_pgjobs.ops.dashboard.security import IDLE_SECONDS, SESSION_SECONDS
 
     c = client(write=True, token=TOKEN, read_token=READ)
     guard = c.app.state.dashboard.guard  # type: ignore[attr-defined]
@@ -375,7 +375,7 @@ def serve(url: str, schema: str, tmp_path: Path, *args: str,
     environ = {k: v for k, v in os.environ.items() if not k.startswith("PGJOBS_DASHBOARD")}
     with open(log, "wb") as fh:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "kombu_pgjobs.cli", "dashboard", "--dsn", url, "--schema",
+            [sys.executable, "-m", "kombu_pgjobs.ops.cli", "dashboard", "--dsn", url, "--schema",
              schema, "--port", str(port), *args], stdout=fh, stderr=subprocess.STDOUT,
             env={**environ, **(env or {})})
     try:

@@ -3,9 +3,9 @@
 History is made by the transport's own settles: messages published and acked through kombu
 (``Connection`` + ``SimpleQueue`` on the test schema), and claimed, acked and buried through the
 queue core's statements (a dead letter as the transport keeps one, and celery_ext's copy with
-its own id recorded by :func:`kombu_pgjobs.admin.record_dead_letter`). Every figure a page shows
-is compared with what is read back from ``pgjobs_history``; every action's effect and its audit
-row are read back from the database.
+its own id recorded by :func:`kombu_pgjobs.store.admin.record_dead_letter`). Every figure a page
+shows is compared with what is read back from ``pgjobs_history``; every action's effect and its
+audit row are read back from the database.
 """
 
 from __future__ import annotations
@@ -21,13 +21,13 @@ import pytest
 from kombu import Connection
 from starlette.testclient import TestClient
 
-from kombu_pgjobs import history
-from kombu_pgjobs.admin import record_dead_letter
-from kombu_pgjobs.core import QueueCore, job_from_message
-from kombu_pgjobs.dashboard import create_app
-from kombu_pgjobs.dashboard.oncall import ARGS_SCAN, contains
-from kombu_pgjobs.scheduling import EntryDef, ScheduleStore
-from kombu_pgjobs.schema import migrate
+from kombu_pgjobs.ops.dashboard import create_app
+from kombu_pgjobs.ops.dashboard.oncall import ARGS_SCAN, contains
+from kombu_pgjobs.store import history
+from kombu_pgjobs.store.admin import record_dead_letter
+from kombu_pgjobs.store.core import QueueCore, job_from_message
+from kombu_pgjobs.store.scheduling import EntryDef, ScheduleStore
+from kombu_pgjobs.store.schema import migrate
 from tests.test_cli import claim, publish
 from tests.test_dashboard import TOKEN, sign_in
 
@@ -243,7 +243,7 @@ def test_history_search_by_fields_and_bounded_args_search(core, db, client, sche
     assert 'data-kind="message"' not in page
     assert 'id="args-cut"' in page and "stopped at the bound of 3" in page
     # bodies are read up to a budget, newest first: past it, the page says so
-    from kombu_pgjobs.dashboard import oncall
+    from kombu_pgjobs.ops.dashboard import oncall
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(oncall, "BODY_BUDGET", 200)
@@ -413,7 +413,7 @@ def test_filtered_lists_read_at_most_the_bound_and_say_so(core, db, client, sche
                                                           monkeypatch):
     """The history search and a task's page read at most SCAN candidates (here 5): a failure
     older than the 5 newest settles is not found, and the page says the search stopped."""
-    from kombu_pgjobs.dashboard import oncall
+    from kombu_pgjobs.ops.dashboard import oncall
 
     old = bury(core, db, "shop", "shop.charge")
     ack(core, db, "shop", "shop.charge", 8)

@@ -14,7 +14,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from kombu_pgjobs.cli import main as cli
+from kombu_pgjobs.ops.cli.main import main as cli
 
 from .conftest import DSN, wait_for
 

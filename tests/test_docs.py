@@ -21,8 +21,8 @@ from typing import Any
 import psycopg
 import pytest
 
-from kombu_pgjobs.core import QueueCore, job_from_message
-from kombu_pgjobs.schema import migrate
+from kombu_pgjobs.store.core import QueueCore, job_from_message
+from kombu_pgjobs.store.schema import migrate
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "operations.md"
 _FENCE = re.compile(r"^[ \t]*```sql[ \t]*\n(.*?)^[ \t]*```", re.MULTILINE | re.DOTALL)
@@ -224,8 +224,8 @@ def test_every_pgjobs_command_in_the_docs_exists(doc: str, command: str) -> None
     commands take."""
     import shlex
 
-    from kombu_pgjobs.cli import build_parser
     from kombu_pgjobs.errors import UsageError
+    from kombu_pgjobs.ops.cli.main import build_parser
 
     parser = build_parser()
     if command.startswith("$ "):
@@ -250,7 +250,7 @@ def test_every_pgjobs_command_in_the_docs_exists(doc: str, command: str) -> None
 
 
 def test_the_queues_table_in_the_how_to_has_the_columns_pgjobs_prints() -> None:
-    from kombu_pgjobs.cli import _render_queues
+    from kombu_pgjobs.ops.cli.main import _render_queues
 
     text = (Path(__file__).resolve().parent.parent / "docs/howto/dead-letters.md").read_text()
     shown = text.split("$ pgjobs queues\n", 1)[1].splitlines()[0]

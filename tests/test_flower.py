@@ -1,5 +1,5 @@
 """Flower's queue lengths on pgjobs (issue 16, item 8): Flower's broker factory learns the pgjobs
-scheme when Flower is imported (kombu_pgjobs/flower.py, by the import hook that registers the
+scheme when Flower is imported (kombu_pgjobs/ops/flower.py, by the import hook that registers the
 scheme: issue 33), so an app that only changed ``broker_url`` gets the broker page too; the counts
 are read back from a real schema. Flower's worker and task pages on pgjobs, from a real worker's
 events."""
@@ -24,8 +24,8 @@ import psycopg
 import pytest
 
 from celery_ext.flower import PgJobsFlowerBroker, register
-from kombu_pgjobs.core import QueueCore
-from kombu_pgjobs.schema import migrate
+from kombu_pgjobs.store.core import QueueCore
+from kombu_pgjobs.store.schema import migrate
 
 from .conftest import DSN, ROOT, import_app, wait_for
 from .test_cli import claim, publish

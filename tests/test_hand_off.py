@@ -22,9 +22,9 @@ import kombu
 import psycopg
 import pytest
 
-from kombu_pgjobs import outbox
-from kombu_pgjobs.core import QueueCore, job_from_message
-from kombu_pgjobs.waiting import handed_ids
+from kombu_pgjobs.broker import outbox
+from kombu_pgjobs.broker.waiting import handed_ids
+from kombu_pgjobs.store.core import QueueCore, job_from_message
 
 from .conftest import broker_url, wait_for
 from .test_wake_one import Drainer, _producer, _waiters

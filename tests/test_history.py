@@ -20,11 +20,11 @@ import pytest
 from kombu import Connection
 
 import celery_ext
-from kombu_pgjobs import history
-from kombu_pgjobs.cli import main as cli
-from kombu_pgjobs.core import QueueCore, job_from_message
 from kombu_pgjobs.errors import InvalidArgument
-from kombu_pgjobs.schema import migrate
+from kombu_pgjobs.ops.cli.main import main as cli
+from kombu_pgjobs.store import history
+from kombu_pgjobs.store.core import QueueCore, job_from_message
+from kombu_pgjobs.store.schema import migrate
 
 from .conftest import wait_for
 from .test_cancel_running import APP, _settled, _started

@@ -17,8 +17,8 @@ from celery import Celery
 
 import celery_ext
 import kombu_pgjobs
-from kombu_pgjobs.core import take_publish_outcome
 from kombu_pgjobs.errors import InvalidIdempotencyKey
+from kombu_pgjobs.store.core import take_publish_outcome
 
 from .conftest import DSN
 
@@ -215,7 +215,7 @@ def test_a_fixed_key_is_refused_at_the_decorator(url) -> None:
 
 def test_migrated_rows_keep_their_tenant(dsn, schema) -> None:
     """Rows published before version 7 get their tenant column from their header."""
-    from kombu_pgjobs.schema import migrate, migrations
+    from kombu_pgjobs.store.schema import migrate, migrations
 
     with psycopg.connect(DSN, autocommit=True) as conn:
         assert migrations()[-1].version >= 7
@@ -232,7 +232,7 @@ def test_migrated_rows_keep_their_tenant(dsn, schema) -> None:
 
 def test_a_dead_message_frees_its_key_and_is_not_revived_beside_a_holder(db, schema,
                                                                          url) -> None:
-    from kombu_pgjobs.admin import Admin
+    from kombu_pgjobs.store.admin import Admin
 
     _a, work = _app(schema, url)
     first = work.delay(1)

@@ -1,6 +1,6 @@
 """An idle ``celery worker``'s wake-to-delivery path, counted on the wire (issue 35 item 2).
 
-An idle worker is registered and armed (``kombu_pgjobs.waiting``); a publish hands it its
+An idle worker is registered and armed (``kombu_pgjobs.broker.waiting``); a publish hands it its
 message (schema 18, 21). From there to the task body the worker's claim connection sends
 exactly one statement: the fenced take of the handed message (invariant 17: the notification
 names ids, the message is read through a statement fenced on the worker's identity). No claim,
@@ -23,7 +23,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from kombu_pgjobs.sql import raw_queries
+from kombu_pgjobs.store.sql import raw_queries
 
 from .conftest import import_app, wait_for
 from .wirecount import WireCounter

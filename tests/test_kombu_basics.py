@@ -20,7 +20,7 @@ import pytest
 from kombu import Exchange, Queue
 from psycopg.rows import dict_row
 
-from kombu_pgjobs.core import QueueCore
+from kombu_pgjobs.store.core import QueueCore
 
 from .conftest import wait_for
 

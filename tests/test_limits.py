@@ -15,11 +15,11 @@ import pytest
 from celery import Celery
 
 import celery_ext
-from kombu_pgjobs.cli import main as cli
-from kombu_pgjobs.core import QueueCore, job_from_message
 from kombu_pgjobs.errors import InvalidLimit, InvalidLimitKey, MessageError
 from kombu_pgjobs.limits import LIMITS_HEADER
-from kombu_pgjobs.schema import migrate
+from kombu_pgjobs.ops.cli.main import main as cli
+from kombu_pgjobs.store.core import QueueCore, job_from_message
+from kombu_pgjobs.store.schema import migrate
 
 from .conftest import DSN
 
@@ -223,7 +223,7 @@ def test_the_previous_release_claim_statement_gets_the_cap_rule_too(db, schema):
     the migrated schema (v1 is now a wrapper of v2 without the candidate list)."""
     from psycopg import sql as psql
 
-    from kombu_pgjobs.sql import raw_queries
+    from kombu_pgjobs.store.sql import raw_queries
 
     core = _core(db, schema)
     text = raw_queries()["job_claim"]

@@ -17,10 +17,10 @@ import psycopg
 import pytest
 
 import kombu_pgjobs
-from kombu_pgjobs.core import QueueCore, job_from_message
 from kombu_pgjobs.errors import InvalidLimit
 from kombu_pgjobs.limits import LIMITS_HEADER, tighten
-from kombu_pgjobs.schema import migrate
+from kombu_pgjobs.store.core import QueueCore, job_from_message
+from kombu_pgjobs.store.schema import migrate
 
 from .conftest import import_app, wait_for
 

@@ -16,7 +16,7 @@ import psycopg
 import pytest
 from kombu import Connection
 
-from kombu_pgjobs.core import QueueCore
+from kombu_pgjobs.store.core import QueueCore
 from tests.conftest import import_app, wait_for
 from tests.pgserver import PrivateServer
 

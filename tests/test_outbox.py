@@ -22,7 +22,7 @@ from celery import chord, group
 
 import celery_ext
 from kombu_pgjobs.errors import NotInTransaction, UnsupportedConnection
-from kombu_pgjobs.schema import migrate
+from kombu_pgjobs.store.schema import migrate
 
 from .conftest import DSN, ROOT, wait_for
 
@@ -354,7 +354,7 @@ def test_a_schema_migrated_past_0008_without_it_gets_the_outbox_on_connect(db, s
     version that lacks 0008 counts as behind, and the transport's auto-migrate adds it."""
     import kombu
 
-    from kombu_pgjobs.schema import current_version, latest_version
+    from kombu_pgjobs.store.schema import current_version, latest_version
 
     migrate(db, schema)
     db.execute(f'DROP TABLE "{schema}".pgjobs_outbox')

@@ -22,10 +22,10 @@ import psycopg
 import pytest
 
 import celery_ext
-from kombu_pgjobs.core import IDEMPOTENCY_HEADER, TENANT_HEADER
+from kombu_pgjobs.broker.relay import Relay
 from kombu_pgjobs.errors import OutboxNotInstalled
-from kombu_pgjobs.relay import Relay
-from kombu_pgjobs.schema import migrate
+from kombu_pgjobs.store.core import IDEMPOTENCY_HEADER, TENANT_HEADER
+from kombu_pgjobs.store.schema import migrate
 
 from .conftest import DSN, ROOT, wait_for
 from .test_outbox import _env, _load, _runs
@@ -71,7 +71,7 @@ def app_db(db: psycopg.Connection[Any], recorder_tables: str) -> str:
 
 def _relay(schema: str, broker: str, log: Path, *, batch: int, lease_ttl: float
            ) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", "kombu_pgjobs.cli", "relay", "--dsn", DSN, "--schema", schema,
+    cmd = [sys.executable, "-m", "kombu_pgjobs.ops.cli", "relay", "--dsn", DSN, "--schema", schema,
            "--broker", broker, "--batch", str(batch), "--lease-ttl", str(lease_ttl),
            "--poll-interval", "0.2", "--retry-delay", "0.5"]
     with open(log, "ab") as fh:
@@ -441,7 +441,7 @@ def test_cli_status_prune_and_bad_relay_arguments(db, app_db, capsys):
     only, and `pgjobs relay` refuses bad numbers with a code (exit 2)."""
     import json
 
-    from kombu_pgjobs.cli import main
+    from kombu_pgjobs.ops.cli.main import main
 
     schema = app_db
     mod = _load(schema, BROKERS["redis"])
@@ -477,7 +477,7 @@ def test_relay_prune_after_deletes_old_published_rows_when_idle(db, app_db, tmp_
             mod.record.delay(f"pr{i}")
     db.execute(f'UPDATE "{schema}".pgjobs_outbox SET published_at = now() - interval \'2 hours\' '
                f'WHERE id = (SELECT min(id) FROM "{schema}".pgjobs_outbox)')
-    cmd = [sys.executable, "-m", "kombu_pgjobs.cli", "relay", "--dsn", DSN, "--schema", schema,
+    cmd = [sys.executable, "-m", "kombu_pgjobs.ops.cli", "relay", "--dsn", DSN, "--schema", schema,
            "--broker", url, "--poll-interval", "0.2", "--prune-after", "1h"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -37,10 +37,10 @@ import pytest
 from celery import Celery
 from kombu.asynchronous import Hub
 
-from kombu_pgjobs.core import QueueCore, _Watchdog, job_from_message
 from kombu_pgjobs.errors import PoolerUnsupported
 from kombu_pgjobs.options import TransportOptions
-from kombu_pgjobs.schema import migrate
+from kombu_pgjobs.store.core import QueueCore, _Watchdog, job_from_message
+from kombu_pgjobs.store.schema import migrate
 
 from .conftest import wait_for
 from .pgbouncer import PgBouncer, find_pgbouncer

@@ -8,9 +8,9 @@ from typing import Any
 import psycopg
 from prometheus_client import CollectorRegistry, generate_latest
 
-from kombu_pgjobs.core import QueueCore
-from kombu_pgjobs.prometheus import PgJobsCollector
-from kombu_pgjobs.schema import migrate
+from kombu_pgjobs.ops.prometheus import PgJobsCollector
+from kombu_pgjobs.store.core import QueueCore
+from kombu_pgjobs.store.schema import migrate
 
 from .conftest import DSN
 from .test_cli import claim, publish
@@ -60,8 +60,8 @@ def test_per_queue_series_are_capped_with_an_other_bucket(db: psycopg.Connection
     """20,000 queues: the top N by messages (settled totals: by settles) get series of their
     own, every other queue is summed into queue="(other)", so the exposition stays bounded
     (it was 140,000 series) and the sums stay right; --queues 0 lists every queue."""
-    from kombu_pgjobs.admin import Admin
-    from kombu_pgjobs.metrics import OTHER, collect, render
+    from kombu_pgjobs.ops.metrics import OTHER, collect, render
+    from kombu_pgjobs.store.admin import Admin
 
     migrate(db, schema)
     core = QueueCore(schema, lease_ttl=30, max_attempts=5, worker="prom:1")

@@ -6,8 +6,8 @@ from __future__ import annotations
 import kombu
 import psycopg
 
-from kombu_pgjobs.core import QueueCore, job_from_message
-from kombu_pgjobs.schema import migrate
+from kombu_pgjobs.store.core import QueueCore, job_from_message
+from kombu_pgjobs.store.schema import migrate
 
 
 def _message(channel, body: str) -> dict:

@@ -145,7 +145,7 @@ def test_the_docs_project_on_PGJOBS_TEST_DSN_one_database_per_xdist_worker(
         "    loaders = {type(sys.modules[m].__loader__).__name__ for m in sys.modules\n"
         "               if m.startswith(('kombu_pgjobs.', 'celery_ext'))\n"
         "               and m != 'kombu_pgjobs.pytest'}\n"
-        "    assert 'kombu_pgjobs.admin' in sys.modules\n"
+        "    assert 'kombu_pgjobs.store.admin' in sys.modules\n"
         "    assert loaders == {'SourceFileLoader'}, loaders\n"
         f"    (__import__('pathlib').Path({str(seen)!r}) / f'{{n}}').write_text(\n"
         "        os.environ['PYTEST_XDIST_WORKER'] + ' ' + pgjobs_broker_url)\n")

@@ -20,8 +20,8 @@ import kombu
 import psycopg
 import pytest
 
-from kombu_pgjobs.backend import backend_for
-from kombu_pgjobs.consumer import State
+from kombu_pgjobs.broker.backend import backend_for
+from kombu_pgjobs.broker.consumer import State
 
 from .conftest import ROOT, wait_for
 
@@ -192,7 +192,7 @@ def test_listen_only_while_consuming(connect, schema):
         conn.drain_events(timeout=0.3)
     except TimeoutError:
         pass
-    # the schema's channel and the connection's own wake channel (kombu_pgjobs.waiting)
+    # the schema's channel and the connection's own wake channel (kombu_pgjobs.broker.waiting)
     assert sorted(listening()) == sorted([f"pgjobs.{schema}", consumer.waits.channel])
     for tag in list(channel._consumers):
         channel.basic_cancel(tag)

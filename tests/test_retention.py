@@ -16,12 +16,12 @@ import kombu
 import psycopg
 import pytest
 
-from kombu_pgjobs import retention
-from kombu_pgjobs.cli import main as cli
-from kombu_pgjobs.core import QueueCore
+from kombu_pgjobs.ops.cli.main import main as cli
 from kombu_pgjobs.options import TransportOptions
-from kombu_pgjobs.schema import migrate
-from kombu_pgjobs.webhooks import WebhookStore
+from kombu_pgjobs.store import retention
+from kombu_pgjobs.store.core import QueueCore
+from kombu_pgjobs.store.schema import migrate
+from kombu_pgjobs.store.webhooks import WebhookStore
 from tests.conftest import ROOT, wait_for
 from tests.test_cli import kill_dead
 from tests.test_roles import roles  # noqa: F401  (the fixture)
@@ -209,7 +209,7 @@ def test_one_process_takes_the_turn(core, db, schema, dsn):
 
 RACER = """
 import json, sys, psycopg
-from kombu_pgjobs import retention
+from kombu_pgjobs.store import retention
 from kombu_pgjobs.options import TransportOptions
 dsn, schema, windows = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 options = TransportOptions(schema=schema, retention_batch=1, **windows)

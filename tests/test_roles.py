@@ -24,11 +24,11 @@ import pytest
 from psycopg import errors, sql
 
 import kombu_pgjobs
-from kombu_pgjobs.backend import release_all
-from kombu_pgjobs.cli import main as cli
-from kombu_pgjobs.core import QueueCore
-from kombu_pgjobs.roles import KINDS, _publish_invoker, read_catalog, role_names, statements
-from kombu_pgjobs.webhooks import WebhookStore
+from kombu_pgjobs.broker.backend import release_all
+from kombu_pgjobs.ops.cli.main import main as cli
+from kombu_pgjobs.ops.cli.roles import KINDS, _publish_invoker, read_catalog, role_names, statements
+from kombu_pgjobs.store.core import QueueCore
+from kombu_pgjobs.store.webhooks import WebhookStore
 
 from .conftest import DSN, broker_url, import_app, wait_for
 from .test_cli import claim, in_future, kill_dead, publish
@@ -182,7 +182,7 @@ def test_roles_sql_prints_quoted_idempotent_and_converges(db, schema, capsys):
         assert code == 2 and out["error"]["code"] == "PGJ-405", out
 
         # an existing schema installed by someone else (the superuser): re-owned and granted
-        from kombu_pgjobs.schema import migrate
+        from kombu_pgjobs.store.schema import migrate
 
         migrate(db, schema)
         _apply_roles(capsys, schema, prefix)
@@ -370,8 +370,8 @@ def test_operator_cli_writes_as_its_role(roles, db, schema, capsys, monkeypatch)
 def test_dashboard_serves_every_page_read_only_and_never_reads_a_secret(roles, db, schema):
     from starlette.testclient import TestClient
 
-    from kombu_pgjobs.dashboard import create_app
-    from kombu_pgjobs.scheduling import EntryDef, ScheduleStore
+    from kombu_pgjobs.ops.dashboard import create_app
+    from kombu_pgjobs.store.scheduling import EntryDef, ScheduleStore
 
     core = QueueCore(schema, lease_ttl=30, max_attempts=20, worker="roles-test:1")
     dead = kill_dead(core, db, "alpha", error={"type": "ValueError", "message": "boom"})

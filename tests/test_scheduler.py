@@ -17,11 +17,11 @@ from celery import Celery
 from celery.schedules import crontab
 
 from celery_ext.scheduler import LeaderScheduler
-from kombu_pgjobs.cli import main as cli
-from kombu_pgjobs.core import QueueCore, job_from_message
+from kombu_pgjobs.ops.cli.main import main as cli
 from kombu_pgjobs.recurrence import catch_up_plan, parse_schedule
-from kombu_pgjobs.scheduling import EntryDef, ScheduleStore
-from kombu_pgjobs.schema import migrate
+from kombu_pgjobs.store.core import QueueCore, job_from_message
+from kombu_pgjobs.store.scheduling import EntryDef, ScheduleStore
+from kombu_pgjobs.store.schema import migrate
 
 from .conftest import wait_for
 
@@ -488,7 +488,7 @@ def test_other_broker_through_the_outbox_stages_each_fire_in_its_own_transaction
     """``pgjobs_scheduler_outbox``: with another broker, each fire and its message are one
     transaction — the message is staged in the scheduler schema's outbox (nothing published
     directly), and the relay publishes it once. A refused (fenced) fire stages nothing."""
-    from kombu_pgjobs.relay import Relay
+    from kombu_pgjobs.broker.relay import Relay
 
     queue = f"q_{schema}"
     app, clock, s = _leading_on_memory_broker(schema, dsn, queue, pgjobs_scheduler_outbox=True)

@@ -14,7 +14,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from kombu_pgjobs.schema import latest_version, migrate, migrations
+from kombu_pgjobs.store.schema import latest_version, migrate, migrations
 
 from .conftest import ROOT
 

@@ -19,7 +19,6 @@ import kombu.exceptions
 import psycopg
 import pytest
 
-from kombu_pgjobs import cli
 from kombu_pgjobs.errors import (
     DatabaseUnavailable,
     InvalidShardMap,
@@ -27,6 +26,7 @@ from kombu_pgjobs.errors import (
     InvalidShardURL,
     ShardUnavailable,
 )
+from kombu_pgjobs.ops.cli import main as cli
 from kombu_pgjobs.shardmap import parse, shard_label
 
 from .conftest import DSN, SECOND_DATABASE, wait_for
@@ -367,7 +367,7 @@ def test_a_shards_claim_connection_reconnects_on_its_own(
 
 def test_metrics_server_reports_a_database_it_cannot_read(url: str, schema: str,
                                                           second_database: str) -> None:
-    from kombu_pgjobs.metrics import MetricsSource, ShardedMetrics
+    from kombu_pgjobs.ops.metrics import MetricsSource, ShardedMetrics
 
     with connection(url, schema, {"billing": second_database}) as conn:
         publish(conn, "billing", {"n": 1})
@@ -563,7 +563,7 @@ def test_a_shard_that_does_not_answer_never_holds_the_default_databases_claims(
     import os
     import signal
 
-    from kombu_pgjobs.sharding import RECONNECT_WAIT
+    from kombu_pgjobs.broker.sharding import RECONNECT_WAIT
 
     shards = {"billing": shard_server.url}
     with connection(url, schema, shards, connect_timeout=10.0) as conn:

@@ -18,7 +18,7 @@ import psycopg
 import pytest
 
 import celery_ext
-from kombu_pgjobs.cli import main as cli
+from kombu_pgjobs.ops.cli.main import main as cli
 
 from .conftest import import_app, wait_for
 from .test_roles import _apply_roles, _denied

@@ -20,10 +20,7 @@ from celery import Celery
 
 import celery_ext
 from celery_ext.steps import Fenced, Steps, Suspended
-from kombu_pgjobs import steps as db_steps
-from kombu_pgjobs.backend import backend_for
-from kombu_pgjobs.core import QueueCore
-from kombu_pgjobs.database import conninfo_from_url
+from kombu_pgjobs.broker.backend import backend_for
 from kombu_pgjobs.errors import (
     DuplicateStep,
     EventTimeout,
@@ -32,7 +29,10 @@ from kombu_pgjobs.errors import (
     StepsUnavailable,
 )
 from kombu_pgjobs.options import TransportOptions
-from kombu_pgjobs.schema import migrate
+from kombu_pgjobs.store import steps as db_steps
+from kombu_pgjobs.store.core import QueueCore
+from kombu_pgjobs.store.database import conninfo_from_url
+from kombu_pgjobs.store.schema import migrate
 
 from .test_cli import claim, publish
 
@@ -361,7 +361,7 @@ def test_prune_removes_the_steps_of_gone_messages_only(core, db, backend, schema
 
 
 def test_pgjobs_prune_and_steps_commands(core, db, backend, schema, url, capsys):
-    from kombu_pgjobs.cli import main as cli
+    from kombu_pgjobs.ops.cli.main import main as cli
 
     steps, d = run_of(core, db, backend)
     steps.run("a", lambda: {"big": "x" * 2000})
@@ -384,8 +384,8 @@ def test_pgjobs_prune_and_steps_commands(core, db, backend, schema, url, capsys)
 
 
 def test_the_metric_counts_suspended_messages_by_reason(core, db, backend, schema):
-    from kombu_pgjobs.admin import Admin
-    from kombu_pgjobs.metrics import collect
+    from kombu_pgjobs.ops.metrics import collect
+    from kombu_pgjobs.store.admin import Admin
 
     for kind in ("sleep", "event", "event"):
         steps, d = run_of(core, db, backend)
@@ -406,7 +406,7 @@ def test_the_metric_counts_suspended_messages_by_reason(core, db, backend, schem
 def test_the_dashboard_message_page_shows_the_steps(core, db, backend, schema, url):
     from starlette.testclient import TestClient
 
-    from kombu_pgjobs.dashboard import create_app
+    from kombu_pgjobs.ops.dashboard import create_app
 
     steps, d = run_of(core, db, backend)
     steps.run("charge", lambda: {"id": "ch_1"})
@@ -433,7 +433,7 @@ def test_the_dashboard_message_page_shows_the_steps(core, db, backend, schema, u
 def test_a_parked_message_frees_its_concurrency_slot(core, db, backend, schema):
     """A message of a key capped at 1 sleeps: its slot is released with the park, so the next
     message of the key is claimed meanwhile (a sleeping flow holds no limit either)."""
-    from kombu_pgjobs.core import LIMITS_HEADER, job_from_message
+    from kombu_pgjobs.store.core import LIMITS_HEADER, job_from_message
 
     def message(n: int) -> dict[str, Any]:
         return {"body": str(n), "properties": {},

@@ -157,7 +157,7 @@ def test_dead_requeue_by_tenant_replays_that_tenant_only(db, schema, url, capsys
     """`pgjobs dead requeue --all --tenant T`: tenant-scoped replay across queues, bounded."""
     import json
 
-    from kombu_pgjobs.cli import main as cli
+    from kombu_pgjobs.ops.cli.main import main as cli
 
     _a, work, _ = _app(schema, url, cap=100)
     for org in ("t1", "t1", "t2"):

@@ -283,7 +283,7 @@ def test_lock_rows_of_a_session_without_a_lock_timeout_are_still_bounded(
 def test_old_hand_off_payload_parses_as_nothing() -> None:
     """A version 18 hand-off (the message in the payload) is in no format this version
     reads: a consumer never takes a message from a notification."""
-    from kombu_pgjobs.waiting import handed_ids
+    from kombu_pgjobs.broker.waiting import handed_ids
 
     msg = json.dumps({"body": "x", "headers": {}})
     assert handed_ids(f"\x1e12 1 2 tb{msg}", 7) is None
@@ -298,8 +298,8 @@ def test_an_outsider_cannot_stall_an_upgrade_and_only_bounds_a_first_install(
     """Migrations of an installed schema serialise on its migration table's lock, which an
     outsider cannot take; the advisory lock it can hold only delays a first install, for a
     bounded time, with a coded error."""
-    from kombu_pgjobs import schema as migrations
     from kombu_pgjobs.errors import MigrationError
+    from kombu_pgjobs.store import schema as migrations
 
     with psycopg.connect(outsider, autocommit=True) as evil:
         assert evil.execute("SELECT pg_try_advisory_lock(hashtext(%s))",
@@ -373,8 +373,8 @@ def test_a_row_written_with_a_key_twice_stalls_no_claim(
     """A publish refuses a key given twice (PGJ-303), but a role that may INSERT rows (a
     publisher, compromised) writes what it likes: such a row is admitted under each key once,
     and the claims of its queue go on (it made every claim of the queue fail before)."""
-    from kombu_pgjobs.core import QueueCore, job_from_message
-    from kombu_pgjobs.schema import migrate
+    from kombu_pgjobs.store.core import QueueCore, job_from_message
+    from kombu_pgjobs.store.schema import migrate
 
     migrate(db, schema)
     core = QueueCore(schema, lease_ttl=30.0, max_attempts=5)

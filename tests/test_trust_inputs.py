@@ -23,9 +23,7 @@ import pytest
 from celery import Celery
 
 import kombu_pgjobs
-from kombu_pgjobs import outbox
-from kombu_pgjobs.cli import main as cli
-from kombu_pgjobs.database import conninfo_from_url
+from kombu_pgjobs.broker import outbox
 from kombu_pgjobs.errors import (
     InvalidIdempotencyKey,
     InvalidLimitKey,
@@ -36,8 +34,10 @@ from kombu_pgjobs.errors import (
     MessageTooLarge,
     PgJobsError,
 )
+from kombu_pgjobs.ops.cli.main import main as cli
 from kombu_pgjobs.options import DEFAULT_MAX_MESSAGE_BYTES, TransportOptions
-from kombu_pgjobs.schema import migrate
+from kombu_pgjobs.store.database import conninfo_from_url
+from kombu_pgjobs.store.schema import migrate
 from kombu_pgjobs.url import masked
 from kombu_pgjobs.url import parse as parse_url
 
@@ -152,7 +152,7 @@ def app_schema(db: psycopg.Connection[Any], schema: str) -> Iterator[tuple[str, 
     broker_schema = f"pgjt_{uuid.uuid4().hex[:12]}"
     migrate(db, schema)
     yield schema, broker_schema
-    kombu_pgjobs.backend.release_all()
+    kombu_pgjobs.broker.backend.release_all()
     db.execute(f'DROP SCHEMA IF EXISTS "{broker_schema}" CASCADE')
 
 
@@ -179,7 +179,7 @@ def test_relay_takes_the_broker_and_dsn_from_env_or_file(
     env = {k: v for k, v in os.environ.items()
            if k not in ("PGJOBS_DSN", "CELERY_BROKER_URL", "BROKER_URL")}
     env["PYTHONPATH"] = str(ROOT)
-    cmd = [sys.executable, "-m", "kombu_pgjobs.cli", "relay", "--schema", schema,
+    cmd = [sys.executable, "-m", "kombu_pgjobs.ops.cli", "relay", "--schema", schema,
            "--poll-interval", "0.2", "--transport-options",
            json.dumps({"schema": broker_schema})]
     if how == "env":

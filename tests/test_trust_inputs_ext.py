@@ -32,9 +32,9 @@ from celery.schedules import schedule as celery_schedule
 import celery_ext
 from celery_ext.scheduler import LeaderScheduler
 from celery_ext.webhooks.egress import refusal
-from kombu_pgjobs.cli import main as cli
 from kombu_pgjobs.errors import NotInTransaction
-from kombu_pgjobs.schema import migrate
+from kombu_pgjobs.ops.cli.main import main as cli
+from kombu_pgjobs.store.schema import migrate
 
 from .conftest import DSN, ROOT, import_app, wait_for
 

@@ -22,7 +22,7 @@ import kombu
 import psycopg
 import pytest
 
-from kombu_pgjobs.backend import release_all
+from kombu_pgjobs.broker.backend import release_all
 from kombu_pgjobs.errors import PublishFailed
 
 from .conftest import ROOT, wait_for

@@ -7,8 +7,8 @@ from typing import Any
 import psycopg
 import pytest
 
-from kombu_pgjobs.core import QueueCore, job_from_message
-from kombu_pgjobs.schema import migrate
+from kombu_pgjobs.store.core import QueueCore, job_from_message
+from kombu_pgjobs.store.schema import migrate
 
 from .conftest import wait_for
 

@@ -22,7 +22,7 @@ import kombu
 import psycopg
 import pytest
 
-from kombu_pgjobs import outbox
+from kombu_pgjobs.broker import outbox
 
 from .conftest import wait_for
 
@@ -295,7 +295,7 @@ def _insert(schema: str) -> str:
 def test_an_open_publisher_holds_only_the_registration_it_wakes(dsn, db, schema):
     """Two overlapping publishers wake two consumers (a FOR loop over the registrations
     locked a batch of them, and the second publisher woke nobody)."""
-    from kombu_pgjobs.schema import migrate
+    from kombu_pgjobs.store.schema import migrate
 
     migrate(db, schema)
     held = _fake_waiters(dsn, db, schema, 3)
@@ -313,7 +313,7 @@ def test_an_open_publisher_holds_only_the_registration_it_wakes(dsn, db, schema)
 
 
 def test_a_publisher_that_rolls_back_does_not_take_a_committed_ones_wake_up(dsn, db, schema):
-    from kombu_pgjobs.schema import migrate
+    from kombu_pgjobs.store.schema import migrate
 
     migrate(db, schema)
     held = _fake_waiters(dsn, db, schema, 1)
@@ -331,7 +331,7 @@ def test_a_publisher_that_rolls_back_does_not_take_a_committed_ones_wake_up(dsn,
 
 
 def test_a_repeatable_read_publish_never_fails_and_tells_every_consumer(dsn, db, schema):
-    from kombu_pgjobs.schema import migrate
+    from kombu_pgjobs.store.schema import migrate
 
     migrate(db, schema)
     held = _fake_waiters(dsn, db, schema, 1)

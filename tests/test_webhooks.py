@@ -497,7 +497,7 @@ def test_an_endpoint_is_disabled_after_n_failed_deliveries(db, schema, url, serv
     server.script("/down", Reply(200))
     assert webhooks.enable(ep, app=app)["enabled"] is True
     assert endpoint_row(db, schema, ep)["consecutive_failures"] == 0
-    from kombu_pgjobs.admin import Admin
+    from kombu_pgjobs.store.admin import Admin
 
     # a rotation on the way: the requeued delivery is signed with the new secret
     rotated = SECRET[::-1]

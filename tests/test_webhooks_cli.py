@@ -14,9 +14,9 @@ from typing import Any
 import psycopg
 import pytest
 
-from kombu_pgjobs.cli import main as cli
-from kombu_pgjobs.schema import migrate
-from kombu_pgjobs.webhooks import WebhookStore
+from kombu_pgjobs.ops.cli.main import main as cli
+from kombu_pgjobs.store.schema import migrate
+from kombu_pgjobs.store.webhooks import WebhookStore
 
 SECRET = "cli-secret-" + "Yp4wQ7nL2s"
 
@@ -180,8 +180,8 @@ def test_the_cli_does_not_import_celery_or_httpx():
     import subprocess
     import sys
 
-    code = ("import sys; from kombu_pgjobs.cli import build_parser; build_parser(); "
-            "import kombu_pgjobs.webhooks; "
+    code = ("import sys; from kombu_pgjobs.ops.cli.main import build_parser; build_parser(); "
+            "import kombu_pgjobs.store.webhooks; "
             "print(sorted({m.split('.')[0] for m in sys.modules} & "
             "{'celery', 'celery_ext', 'httpx', 'httpcore'}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

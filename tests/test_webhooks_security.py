@@ -30,9 +30,9 @@ import celery_ext.webhooks as webhooks
 from celery_ext.state import installed
 from celery_ext.webhooks.delivery import post
 from celery_ext.webhooks.settings import WebhookSettings
-from kombu_pgjobs.cli import main as cli
 from kombu_pgjobs.errors import InvalidWebhookSetting, WebhookSecretLocked, WebhookSignatureInvalid
-from kombu_pgjobs.webhooks import SEALED, SecretBox, WebhookStore
+from kombu_pgjobs.ops.cli.main import main as cli
+from kombu_pgjobs.store.webhooks import SEALED, SecretBox, WebhookStore
 from tests.test_roles import _denied, roles  # noqa: F401  (the fixture)
 from tests.test_webhooks import (
     APP,
@@ -354,7 +354,7 @@ def test_bad_keys_are_refused_and_never_repeated():
     assert key not in repr(box)
     with pytest.raises(WebhookSecretLocked):
         SecretBox([Fernet.generate_key().decode()]).open(box.seal(SECRET))
-    from kombu_pgjobs.webhooks import open_secret
+    from kombu_pgjobs.store.webhooks import open_secret
 
     with pytest.raises(WebhookSecretLocked):
         open_secret(box.seal(SECRET), None)
@@ -366,7 +366,7 @@ def test_bad_keys_are_refused_and_never_repeated():
     with pytest.raises(InvalidWebhookSetting):
         webhook_settings({"pgjobs_webhook_sign_v1": "yes"})
     from kombu_pgjobs.errors import InvalidWebhookEndpoint
-    from kombu_pgjobs.webhooks import check_secret
+    from kombu_pgjobs.store.webhooks import check_secret
 
     with pytest.raises(InvalidWebhookEndpoint):
         check_secret(box.seal(SECRET))  # a sealed value is never taken as a secret

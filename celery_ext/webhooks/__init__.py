@@ -37,7 +37,7 @@ from celery import current_app
 
 from kombu_pgjobs.errors import InvalidWebhookEvent, InvalidWebhookSetting, WebhookEndpointNotFound
 from kombu_pgjobs.limits import LIMITS_HEADER, check_key
-from kombu_pgjobs.webhooks import (
+from kombu_pgjobs.store.webhooks import (
     WebhookStore,
     check_endpoint_id,
     check_url,

@@ -52,7 +52,7 @@ from kombu_pgjobs.errors import (
     WebhookThrottled,
     WebhookUnavailable,
 )
-from kombu_pgjobs.webhooks import MAX_EXCERPT, WebhookStore
+from kombu_pgjobs.store.webhooks import MAX_EXCERPT, WebhookStore
 
 from ..deadletter import _backend, storable
 from ..retry import PgJobsTask, parse_retry_after, retry_after_delay

@@ -30,7 +30,7 @@ used, which ends whatever step is blocked (a handshake or a send that a per-call
 cannot bound). An attempt therefore ends by its deadline whatever the server does.
 
 The rule itself (:func:`refusal`, :func:`check_addresses`) lives in
-:mod:`kombu_pgjobs.webhooks`, so that ``pgjobs webhooks add`` applies it without Celery.
+:mod:`kombu_pgjobs.store.webhooks`, so that ``pgjobs webhooks add`` applies it without Celery.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ import httpcore
 import httpx
 
 from kombu_pgjobs.errors import EgressRefused
-from kombu_pgjobs.webhooks import METADATA_ADDRESSES, check_addresses, refusal
+from kombu_pgjobs.store.webhooks import METADATA_ADDRESSES, check_addresses, refusal
 
 from .settings import WebhookSettings
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kombu_pgjobs.errors import InvalidWebhookSetting
-from kombu_pgjobs.webhooks import Network, SecretBox, parse_allow_hosts
+from kombu_pgjobs.store.webhooks import Network, SecretBox, parse_allow_hosts
 
 __all__ = ["Network", "WebhookSettings", "webhook_settings"]
 
