@@ -2,7 +2,7 @@
 -- those queues only. Loaded by kombu_pgjobs/dashboard/queries.py as kombu_pgjobs/sql loads
 -- its files ({schema} is the quoted schema, comments are not sent).
 --
--- They live here, not in kombu_pgjobs/sql/admin.sql beside admin_queue_stats_bounded (whose
+-- They live here, not in kombu_pgjobs/store/sql/admin.sql beside admin_queue_stats_bounded (whose
 -- counts they repeat), because the overview is the only reader that pages over queues. Keep
 -- the two in step: tests/test_dashboard_pages.py checks that a page's rows equal
 -- Admin.queues(bound=...)'s for the same queues.
