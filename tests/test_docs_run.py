@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 
-from kombu_pgjobs.ops.cli.main import build_parser, summary
+from kombu_pgjobs.ops.cli.main import build_parser
+from kombu_pgjobs.ops.common import summary
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
