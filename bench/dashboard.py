@@ -316,8 +316,9 @@ def history_scenario(rows: int, requests: int, keep: bool) -> list[dict[str, Any
     over 7 days, its rollups up to the last closed minute but one, the watermark there, as a
     keeper leaves them), then time the tasks page's statement and HTTP requests (each window,
     sorted two ways), a task's page and the history search; drop the schema."""
-    from kombu_pgjobs.ops.dashboard.oncall import TAIL, WINDOWS
-    from kombu_pgjobs.ops.dashboard.queries import queries
+    from kombu_pgjobs.ops.dashboard.oncall import WINDOWS
+    from kombu_pgjobs.store.history import TAIL
+    from kombu_pgjobs.store.sql import queries as store_queries
 
     s = f'"{HISTORY_SCHEMA}"'
     out: list[dict[str, Any]] = []
@@ -334,7 +335,7 @@ def history_scenario(rows: int, requests: int, keep: bool) -> list[dict[str, Any
         # the statement alone, on the dashboard's own session settings (jit, bitmap scans off)
         with psycopg.connect(DSN, autocommit=True,
                              options="-c jit=off -c enable_bitmapscan=off") as conn:
-            q = queries(HISTORY_SCHEMA)["dashboard_tasks"]
+            q = store_queries(HISTORY_SCHEMA)["history_tasks"]
             for window, (minutes, points) in WINDOWS.items():
                 for sort in ("rate", "failure"):
                     params = {"minutes": minutes, "points": points, "tail": TAIL,
@@ -346,7 +347,7 @@ def history_scenario(rows: int, requests: int, keep: bool) -> list[dict[str, Any
                         got = conn.execute(q, params).fetchall()
                         times.append((time.perf_counter() - t) * 1000)
                     assert len(got) == 50, len(got)
-                    out.append({"page": f"statement dashboard_tasks window={window} "
+                    out.append({"page": f"statement history_tasks window={window} "
                                         f"sort={sort}", **_pct(times)})
         app = create_app(URL, schema=HISTORY_SCHEMA, pool_size=2)
         paths = [f"/tasks?window={w}&sort={o}" for w in WINDOWS for o in ("rate", "failure")]

@@ -68,6 +68,13 @@ def _backend(app: Any, shard: int = 0) -> Backend | None:
     return backends[shard] if 0 <= shard < len(backends) else None
 
 
+def queue_of(task: Any, delivery_info: dict[str, Any] | None) -> str:
+    """The queue a delivered task came from: its routing key, else the task's or the app's
+    default queue (a dead letter, an outcome told to the transport)."""
+    return ((delivery_info or {}).get("routing_key") or task.queue
+            or task.app.conf.task_default_queue)
+
+
 def _transport_buries(task: Any, exc: BaseException) -> bool:
     """Will Celery reject this failure without requeue (so pgjobs dead-letters it itself)?"""
     if not getattr(task, "acks_late", False):
@@ -171,7 +178,7 @@ def on_task_failure(sender: Any = None, exception: BaseException | None = None,
             return
         pair = found[:2] if found else None
         info = request.delivery_info or {}
-        queue = info.get("routing_key") or task.queue or app.conf.task_default_queue
+        queue = queue_of(task, info)
         started = getattr(request, "pgjobs_started", None)
         elapsed = time.monotonic() - started if isinstance(started, float) else None
         if not getattr(task, "dead_letter", True):

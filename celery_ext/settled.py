@@ -162,7 +162,7 @@ class OutcomeRequest(Request):
         amended (one statement). Never raises."""
         from kombu_pgjobs.store.history import record_outcome
 
-        from .deadletter import _backend
+        from .deadletter import _backend, queue_of
 
         found = parse_shard_tag(getattr(self.message, "delivery_tag", None))
         if found is None:
@@ -174,9 +174,7 @@ class OutcomeRequest(Request):
             if self.task.acks_late:
                 backend.note_outcome(found[:2], outcome)
             else:
-                info = self.delivery_info or {}
-                queue = info.get("routing_key") or self.task.queue or \
-                    self.task.app.conf.task_default_queue
+                queue = queue_of(self.task, self.delivery_info)
                 began = self.time_start
                 elapsed = time.time() - began if began else None
                 backend.publishing(lambda conn: record_outcome(

@@ -248,16 +248,18 @@ def record_dead_letter(conn: psycopg.Connection[Any], schema: str, *, queue: str
     validate_queue_name(queue)
     text = message if isinstance(message, str) else json.dumps(message, default=str)
     job_id, claim = job if job is not None else (None, None)
-    row = conn.execute(queries(schema)["admin_dead_record"], {
-        "job_table": f'"{schema}".pgjobs_job', "job_id": job_id, "claim": claim,
-        "queue": queue, "priority": priority, "task": task, "attempts": attempts,
-        "max_attempts": max_attempts, "reason": reason,
-        "error": Jsonb(_printable(error)) if error is not None else None, "message": text,
-    }).fetchone()
+    with conn.pipeline():  # the copy and the outcome in one round trip
+        cur = conn.execute(queries(schema)["admin_dead_record"], {
+            "job_table": f'"{schema}".pgjobs_job', "job_id": job_id, "claim": claim,
+            "queue": queue, "priority": priority, "task": task, "attempts": attempts,
+            "max_attempts": max_attempts, "reason": reason,
+            "error": Jsonb(_printable(error)) if error is not None else None, "message": text,
+        })
+        record_outcome(conn, schema, job=job, outcome="failed", queue=queue, task=task,
+                       elapsed=elapsed,
+                       shard=shard or f"celery_ext:{socket.gethostname()}:{os.getpid()}")
+        row = cur.fetchone()
     assert row is not None
-    record_outcome(conn, schema, job=job, outcome="failed", queue=queue, task=task,
-                   elapsed=elapsed,
-                   shard=shard or f"celery_ext:{socket.gethostname()}:{os.getpid()}")
     return int(row[0])
 
 

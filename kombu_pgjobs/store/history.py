@@ -27,6 +27,7 @@ rollups older than ``retention_history`` (7 days).
 from __future__ import annotations
 
 import logging
+import math
 import time
 import weakref
 from collections.abc import Mapping
@@ -40,8 +41,8 @@ from ..events import log_event
 from ..options import validate_schema_name
 from .sql import queries
 
-__all__ = ["LEGACY_OUTCOMES", "OUTCOMES", "ROLLUP_EVERY", "list_history", "on_tick",
-           "outcome_word", "record_outcome", "rollup", "stats"]
+__all__ = ["LEGACY_OUTCOMES", "OUTCOMES", "ROLLUP_EVERY", "SORTS", "TAIL", "list_history",
+           "on_tick", "outcome_word", "record_outcome", "rollup", "stats", "tasks"]
 
 log = logging.getLogger("kombu_pgjobs.history")
 
@@ -57,6 +58,12 @@ def outcome_word(word: str) -> str:
     ``failed``)."""
     return LEGACY_OUTCOMES.get(word, word)
 
+
+#: what :func:`tasks` sorts by (the tasks page's columns)
+SORTS = ("task", "rate", "failure", "p50", "p95", "max")
+#: the most history rows not rolled up yet that :func:`tasks` reads (the rollup is behind by
+#: more only when no keeper has settled for minutes; the rows say when it was cut)
+TAIL = 200_000
 
 #: seconds between a keeper's asks for the rollup's turn
 ROLLUP_EVERY = 60.0
@@ -77,10 +84,17 @@ def record_outcome(conn: psycopg.Connection[Any], schema: str, *, job: tuple[int
         raise InvalidArgument(f"a worker tells 'failed', 'dropped' or 'requeued', "
                               f"not {outcome!r}")
     job_id, claim = job if job is not None else (None, None)
-    row = conn.execute(queries(validate_schema_name(schema))["job_outcome"], {
-        "job_id": job_id, "claim": claim, "outcome": outcome, "runtime": runtime,
-        "queue": queue, "shard": shard, "task": task, "elapsed": elapsed}).fetchone()
-    return int(row[0]) if row else 0
+    params = {"job_id": job_id, "claim": claim, "outcome": outcome, "runtime": runtime,
+              "queue": queue, "shard": shard, "task": task, "elapsed": elapsed}
+    statement = queries(validate_schema_name(schema))["job_outcome"]
+    # Neither the held row nor its history row found: an ack that committed meanwhile may
+    # have moved one into the other, out of this snapshot's sight; the second run sees it
+    # (or counts the word on its own: history off, or no ack at all).
+    for fallback in (False, True):
+        row = conn.execute(statement, {**params, "fallback": fallback}).fetchone()
+        if row and row[0]:
+            return int(row[0])
+    return 0
 
 
 def rollup(conn: psycopg.Connection[Any], schema: str, who: str) -> tuple[datetime, int] | None:
@@ -107,16 +121,31 @@ def list_history(conn: psycopg.Connection[Any], schema: str, *, task: str | None
     return [dict(zip(names, r, strict=True)) for r in cur.fetchall()]
 
 
-def stats(conn: psycopg.Connection[Any], schema: str, *, seconds: float = 3600.0,
-          limit: int = 1000) -> list[dict[str, Any]]:
-    """Per task over the last ``seconds``: settles by outcome, failure ratio, runtime
-    p50/p95/max (``pgjobs stats``; the dashboard's tasks page)."""
-    if not 0 < float(seconds) <= 366 * 86400:
-        raise InvalidArgument("the window must be between 1 second and a year")
-    cur = conn.execute(queries(validate_schema_name(schema))["history_stats"], {
-        "seconds": float(seconds), "limit": int(limit)})
+def tasks(conn: psycopg.Connection[Any], schema: str, *, minutes: int, points: int = 1,
+          sort: str = "rate", descending: bool = True, limit: int = 1000,
+          tail: int = TAIL) -> list[dict[str, Any]]:
+    """Per task over the last ``minutes`` whole minutes (``history_tasks``): settles by
+    outcome, rate, failure ratio, runtime p50/p95/max and a sparkline of ``points`` buckets,
+    from the rollups plus at most ``tail`` rows not rolled up yet (the dashboard's tasks page,
+    ``pgjobs stats``)."""
+    if sort not in SORTS:
+        raise InvalidArgument(f"cannot sort by {sort[:20]!r}: one of {', '.join(SORTS)}")
+    cur = conn.execute(queries(validate_schema_name(schema))["history_tasks"], {
+        "minutes": int(minutes), "points": int(points), "tail": int(tail), "sort": sort,
+        "descending": bool(descending), "limit": int(limit)})
     names = [c.name for c in cur.description or ()]
     return [dict(zip(names, r, strict=True)) for r in cur.fetchall()]
+
+
+def stats(conn: psycopg.Connection[Any], schema: str, *, seconds: float = 3600.0,
+          limit: int = 1000) -> list[dict[str, Any]]:
+    """Per task over the last ``seconds`` (rounded up to whole minutes, the current one
+    included): settles by outcome, rate, failure ratio, runtime p50/p95/max, busiest first
+    (``pgjobs stats``: :func:`tasks` without the sparkline)."""
+    if not 0 < float(seconds) <= 366 * 86400:
+        raise InvalidArgument("the window must be between 1 second and a year")
+    rows = tasks(conn, schema, minutes=math.ceil(float(seconds) / 60), limit=limit)
+    return [{k: v for k, v in r.items() if k not in ("spark_at", "spark_n")} for r in rows]
 
 
 class _Roller:

@@ -26,8 +26,9 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from ...errors import DashboardSearchRefused, InvalidArgument
+from ...store import history
 from ...store.admin import Admin
-from ...store.history import OUTCOMES
+from ...store.history import OUTCOMES, SORTS, TAIL
 from .app import Dashboard
 from .queries import dicts, queries
 
@@ -36,11 +37,8 @@ __all__ = ["ARGS_SCAN", "SCAN", "TAIL", "WINDOWS", "contains", "decode_args", "r
 
 #: the tasks page's windows: name -> (minutes, sparkline points)
 WINDOWS = {"5m": (5, 5), "1h": (60, 60), "24h": (1440, 48)}
-#: the tasks page's columns it sorts by (the query's ``sort``), and the default
-SORTS = ("task", "rate", "failure", "p50", "p95", "max")
-#: most history rows of the minutes not rolled up yet the tasks page reads (the rollup runs
-#: once a minute: a healthy fleet's tail is two minutes of settles)
-TAIL = 200_000
+# SORTS (the columns the tasks page sorts by) and TAIL (most history rows not rolled up yet it
+# reads) are the store's: kombu_pgjobs.store.history
 #: most tasks on the tasks page
 TASKS = 500
 #: rows per page of a task's history and of the history search
@@ -100,15 +98,14 @@ def _outcome(request: Request) -> str | None:
 
 def tasks(admin: Admin, *, window: str = "1h", sort: str = "rate", descending: bool = True,
           limit: int = TASKS, tail: int = TAIL) -> list[dict[str, Any]]:
-    """The tasks page's rows (``dashboard_tasks``)."""
+    """The tasks page's rows (the store's ``history_tasks``, shared with ``pgjobs stats``)."""
     if window not in WINDOWS:
         raise InvalidArgument(f"unknown window {window[:20]!r}: one of {', '.join(WINDOWS)}")
     if sort not in SORTS:
         raise InvalidArgument(f"cannot sort by {sort[:20]!r}: one of {', '.join(SORTS)}")
     minutes, points = WINDOWS[window]
-    return dicts(admin.conn, queries(admin.schema)["dashboard_tasks"], {
-        "minutes": minutes, "points": points, "tail": int(tail), "sort": sort,
-        "descending": bool(descending), "limit": int(limit)})
+    return history.tasks(admin.conn, admin.schema, minutes=minutes, points=points, sort=sort,
+                         descending=descending, limit=limit, tail=tail)
 
 
 def _series(row: dict[str, Any], points: int) -> list[int]:

@@ -4,15 +4,18 @@
 -- name: job_outcome :one
 -- How a delivery ended, told by its worker (celery_ext) where the transport cannot know it:
 -- 'failed' (a final failure, kept as a dead letter copy), 'dropped' (one with
--- dead_letter=False) or 'requeued' (a Celery retry: the same task's next message follows). While the row is still held under %(claim)s (acks_late) the word is
--- noted on the row, and its ack counts and records it instead of 'completed'. Once acked
--- (Celery's early ack settled it when it started) the history row that ack wrote is amended
--- and the one settle moves from 'completed' to the word in the counters (the ack's bucket and
--- shard) and in the rollup; with no history row either (history off), the word is counted
--- now, the ack's 'completed' standing. The history row is looked for among the settles of task
--- %(task)s within %(elapsed)s seconds (how long the run has gone; NULL: a day) and ten minutes
--- more (clocks), through pgjobs_history_task_idx. %(runtime)s (seconds, NULL: unknown)
--- replaces an early ack's runtime. Returns how many of the three paths applied (0 or 1).
+-- dead_letter=False) or 'requeued' (a Celery retry: the same task's next message follows).
+-- While the row is still held under %(claim)s (acks_late) the word is noted on the row, and
+-- its ack counts and records it instead of 'completed'. Once acked (Celery's early ack settled
+-- it when it started) the history row that ack wrote is amended and the one settle moves from
+-- 'completed' to the word in the counters (the ack's bucket and shard) and in the rollup. With
+-- neither (history off, or no ack at all) and %(fallback)s, the word is counted now, the
+-- ack's 'completed' standing. (An ack committing while this runs deletes the row under it and
+-- writes a history row this snapshot cannot see: the caller runs it again, with %(fallback)s,
+-- in a new snapshot.) The history row is looked for among the settles of task %(task)s within
+-- %(elapsed)s seconds (how long the run has gone; NULL: a day) and ten minutes more (clocks),
+-- through pgjobs_history_task_idx. %(runtime)s (seconds, NULL: unknown) replaces an early
+-- ack's runtime. Returns how many of the held row and the history row took the word (0 or 1).
 WITH held AS (
     UPDATE {schema}.pgjobs_job AS j
        SET outcome = %(outcome)s
@@ -40,7 +43,8 @@ WITH held AS (
     SELECT queue, %(outcome)s, bucket, worker, 1 FROM amended
     UNION ALL
     SELECT %(queue)s, %(outcome)s, date_trunc('minute', now()), %(shard)s, 1
-     WHERE NOT EXISTS (SELECT 1 FROM held) AND NOT EXISTS (SELECT 1 FROM amended)
+     WHERE %(fallback)s::bool
+       AND NOT EXISTS (SELECT 1 FROM held) AND NOT EXISTS (SELECT 1 FROM amended)
     ON CONFLICT (queue, outcome, bucket, shard) DO UPDATE SET n = c.n + excluded.n
 ), rerolled AS (
     -- a minute already rolled up moves its one settle too
@@ -118,49 +122,106 @@ SELECT h.settled_at, h.job_id, h.claim, h.task, h.queue, h.tenant, h.outcome, h.
  ORDER BY h.settled_at DESC, h.job_id DESC
  LIMIT %(limit)s;
 
--- name: history_stats :many
--- `pgjobs stats`: per task over the last %(seconds)s seconds, the settles by outcome, the
--- failure ratio (failed / settled) and the runtime p50/p95 (the rolled-up minutes' p50/p95
--- weighted by their settles, and the max: a rollup cannot merge percentiles exactly) from
--- pgjobs_task_minute, plus the minutes not rolled up yet read from pgjobs_history (at most
--- two). Busiest first.
-WITH mark AS MATERIALIZED (
-    SELECT r.upto FROM {schema}.pgjobs_rollup AS r WHERE r.id = 1
+-- name: history_tasks :many
+-- The dashboard's tasks page and `pgjobs stats`: per task over the window of the last
+-- %(minutes)s minutes (the current one included, so a window is whole minutes: rolled-up
+-- minutes and the tail agree exactly), the settles by outcome, the rate (settles per minute),
+-- the failure ratio (failed / settled without the requeued), the runtime p50/p95 (the minutes'
+-- percentiles weighted by their settles: a rollup cannot merge them exactly) and max, and a
+-- sparkline of %(points)s buckets of settles (spark_at: the buckets with settles, 0 the oldest;
+-- spark_n: their settles). One pass over the minutes (per task and bucket), then one over its
+-- groups. Bounded whatever pgjobs_history holds: the rollups (at most 1,440 rows per task a
+-- day, through pgjobs_task_minute_minute_idx) cover the minutes before the watermark
+-- (pgjobs_rollup.upto); the minutes since are read from pgjobs_history, at most its %(tail)s
+-- newest rows (tail_rows says how many were read: equal to %(tail)s, the tail was cut).
+-- Sorted by %(sort)s (task, rate, failure, p50, p95, max), %(descending)s, then by task; at
+-- most %(limit)s tasks.
+WITH bounds AS MATERIALIZED (
+    SELECT date_trunc('minute', now()) - make_interval(mins => %(minutes)s::int - 1) AS start,
+           r.upto
+      FROM {schema}.pgjobs_rollup AS r
+     WHERE r.id = 1
+), tail AS MATERIALIZED (
+    -- (the bounds as scalar subqueries: index conditions, where a join would filter every row)
+    SELECT h.task, h.settled_at, h.outcome, h.runtime
+      FROM {schema}.pgjobs_history AS h
+     WHERE h.settled_at >= (SELECT greatest(b.upto, b.start) FROM bounds AS b)
+     ORDER BY h.settled_at DESC
+     LIMIT %(tail)s
 ), minutes AS (
-    SELECT m.task, m.completed, m.failed, m.dropped, m.cancelled, m.requeued,
-           m.runtime_p50, m.runtime_p95, m.runtime_max
-      FROM {schema}.pgjobs_task_minute AS m, mark
-     WHERE m.minute >= now() - make_interval(secs => %(seconds)s) AND m.minute < mark.upto
+    -- counts as int4 (a minute's fit) and runtimes as float8: the sums below then run on
+    -- int8 and float8 accumulators, not numeric ones (a third of the 24-hour page's time)
+    SELECT m.task, m.minute, m.completed::int AS completed, m.failed::int AS failed,
+           m.dropped::int AS dropped, m.cancelled::int AS cancelled,
+           m.requeued::int AS requeued,
+           (m.completed + m.failed + m.dropped + m.cancelled + m.requeued)::int AS settled,
+           m.runtime_p50::float8 AS runtime_p50, m.runtime_p95::float8 AS runtime_p95,
+           m.runtime_max::float8 AS runtime_max
+      FROM {schema}.pgjobs_task_minute AS m
+     WHERE m.minute >= (SELECT b.start FROM bounds AS b)
+       AND m.minute < (SELECT b.upto FROM bounds AS b)
     UNION ALL
-    SELECT coalesce(h.task, ''),
-           count(*) FILTER (WHERE h.outcome = 'completed'),
-           count(*) FILTER (WHERE h.outcome = 'failed'),
-           count(*) FILTER (WHERE h.outcome = 'dropped'),
-           count(*) FILTER (WHERE h.outcome = 'cancelled'),
-           count(*) FILTER (WHERE h.outcome = 'requeued'),
-           percentile_cont(0.5) WITHIN GROUP (ORDER BY h.runtime),
-           percentile_cont(0.95) WITHIN GROUP (ORDER BY h.runtime),
-           max(h.runtime)
-      FROM {schema}.pgjobs_history AS h, mark
-     WHERE h.settled_at >= greatest(mark.upto, now() - make_interval(secs => %(seconds)s))
-     GROUP BY 1
+    SELECT coalesce(t.task, ''), date_trunc('minute', t.settled_at),
+           (count(*) FILTER (WHERE t.outcome = 'completed'))::int,
+           (count(*) FILTER (WHERE t.outcome = 'failed'))::int,
+           (count(*) FILTER (WHERE t.outcome = 'dropped'))::int,
+           (count(*) FILTER (WHERE t.outcome = 'cancelled'))::int,
+           (count(*) FILTER (WHERE t.outcome = 'requeued'))::int,
+           count(*)::int,
+           percentile_cont(0.5) WITHIN GROUP (ORDER BY t.runtime),
+           percentile_cont(0.95) WITHIN GROUP (ORDER BY t.runtime),
+           max(t.runtime)::float8
+      FROM tail AS t
+     GROUP BY 1, 2
+), per AS (
+    -- one pass over the minutes: per task and sparkline bucket
+    SELECT mi.task,
+           least(%(points)s::int - 1,
+                 (date_part('epoch', mi.minute - b.start) / 60)::int
+                     / ((%(minutes)s::int + %(points)s::int - 1) / %(points)s::int)) AS i,
+           sum(mi.completed) AS completed, sum(mi.failed) AS failed,
+           sum(mi.dropped) AS dropped, sum(mi.cancelled) AS cancelled,
+           sum(mi.requeued) AS requeued, sum(mi.settled) AS settled,
+           sum(mi.runtime_p50 * mi.settled) AS w50,
+           sum(mi.settled) FILTER (WHERE mi.runtime_p50 IS NOT NULL) AS n50,
+           sum(mi.runtime_p95 * mi.settled) AS w95,
+           sum(mi.settled) FILTER (WHERE mi.runtime_p95 IS NOT NULL) AS n95,
+           max(mi.runtime_max) AS runtime_max
+      FROM minutes AS mi, bounds AS b
+     GROUP BY 1, 2
+), totals AS (
+    SELECT task, sum(completed)::bigint AS completed, sum(failed)::bigint AS failed,
+           sum(dropped)::bigint AS dropped, sum(cancelled)::bigint AS cancelled,
+           sum(requeued)::bigint AS requeued, sum(settled)::bigint AS settled,
+           (sum(failed)::float8 / nullif(sum(settled) - sum(requeued), 0))::float8
+               AS failure_ratio,
+           (sum(w50) / nullif(sum(n50), 0))::float8 AS runtime_p50,
+           (sum(w95) / nullif(sum(n95), 0))::float8 AS runtime_p95,
+           max(runtime_max)::float8 AS runtime_max,
+           -- the sparkline: the buckets with settles (the page fills the others with 0)
+           array_agg(i ORDER BY i) AS spark_at,
+           array_agg(settled::bigint ORDER BY i) AS spark_n
+      FROM per
+     GROUP BY task
+), ranked AS (
+    SELECT t.*, t.settled::float8 / %(minutes)s::int AS rate,
+           CASE %(sort)s WHEN 'rate' THEN t.settled::float8
+                         WHEN 'failure' THEN t.failure_ratio
+                         WHEN 'p50' THEN t.runtime_p50
+                         WHEN 'p95' THEN t.runtime_p95
+                         WHEN 'max' THEN t.runtime_max END AS sort_key
+      FROM totals AS t
 )
-SELECT task, sum(completed)::bigint AS completed, sum(failed)::bigint AS failed,
-       sum(dropped)::bigint AS dropped, sum(cancelled)::bigint AS cancelled,
-       sum(requeued)::bigint AS requeued,
-       sum(completed + failed + dropped + cancelled + requeued)::bigint AS settled,
-       (sum(failed) / nullif(sum(completed + failed + dropped + cancelled), 0))::float8
-           AS failure_ratio,
-       (sum(runtime_p50 * (completed + failed + dropped + cancelled + requeued))
-          / nullif(sum((completed + failed + dropped + cancelled + requeued))
-                   FILTER (WHERE runtime_p50 IS NOT NULL), 0))::float8 AS runtime_p50,
-       (sum(runtime_p95 * (completed + failed + dropped + cancelled + requeued))
-          / nullif(sum((completed + failed + dropped + cancelled + requeued))
-                   FILTER (WHERE runtime_p95 IS NOT NULL), 0))::float8 AS runtime_p95,
-       max(runtime_max)::float8 AS runtime_max
-  FROM minutes
- GROUP BY task
- ORDER BY settled DESC, task
+SELECT r.task, r.completed, r.failed, r.dropped, r.cancelled, r.requeued, r.settled, r.rate,
+       r.failure_ratio, r.runtime_p50, r.runtime_p95, r.runtime_max,
+       r.spark_at, r.spark_n,
+       (SELECT count(*) FROM tail)::int AS tail_rows,
+       (SELECT b.upto FROM bounds AS b) AS rolled_upto
+  FROM ranked AS r
+ ORDER BY CASE WHEN %(descending)s::bool THEN r.sort_key END DESC NULLS LAST,
+          CASE WHEN NOT %(descending)s::bool THEN r.sort_key END ASC NULLS LAST,
+          CASE WHEN %(sort)s = 'task' AND %(descending)s::bool THEN r.task END DESC,
+          r.task
  LIMIT %(limit)s;
 
 -- name: retention_history :one
