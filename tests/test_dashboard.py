@@ -783,3 +783,71 @@ def test_queue_purge_confirmation_counts_and_bounds_the_purge(core, db, client, 
     left = [r[0] for r in db.execute(f'SELECT id FROM "{schema}".pgjobs_job '
                                      "WHERE queue = 'gamma' ORDER BY id")]
     assert left == [ids[0], later]
+
+
+def test_bulk_actions_refuse_a_field_they_cannot_apply(core, db, client, schema):
+    """A bulk action given a field it cannot apply acts on more than the field names (a
+    requeue ``older_than`` 1 day requeued every dead letter of the queue; a queue purge of
+    one ``task`` purged the whole queue): refused (400, ``PGJ-405``) at the confirmation and
+    confirmed, from a browser and from a script, and nothing changed."""
+    [kill_dead(core, db, "alpha") for _ in range(2)]
+    [publish(core, db, "alpha", tenant="acme") for _ in range(2)]
+    c = client(write=True, token=TOKEN)
+    csrf = sign_in(c)
+    before = snapshot(db, schema)
+    cases = [("/dead/requeue", {"queue": "alpha", "older_than": "1d"}),
+             ("/dead/requeue", {"ids": "1", "older_than": "1d"}),
+             ("/queues/alpha/purge", {"task": "shop.boom"}),
+             ("/queues/alpha/purge", {"tenant": "acme"}),
+             ("/queues/alpha/purge", {"tenant": "acme", "limit": "1"})]
+    for path, form in cases:
+        for confirm in ({}, {"confirm": "yes"}):
+            r = c.post(path, data={"csrf": csrf, **form, **confirm},
+                       headers={"accept": "application/json"})
+            assert r.status_code == 400, (path, form, confirm, r.text)
+            assert r.json()["error"]["code"] == "PGJ-405", (path, form, confirm)
+            r = c.post(path, data={**form, **confirm},  # a script, by bearer token
+                       headers={"authorization": f"Bearer {TOKEN}",
+                                "accept": "application/json"})
+            assert r.status_code == 400 and "PGJ-405" in r.text, (path, form, confirm)
+        r = c.post(path, data={"csrf": csrf, **form})  # a browser: an error page
+        assert r.status_code == 400 and "PGJ-405" in r.text, (path, form)
+    assert snapshot(db, schema) == before
+    # without the field, the same actions still run
+    r = c.post("/dead/requeue", data={"csrf": csrf, "confirm": "yes", "queue": "alpha"},
+               headers={"accept": "application/json"})
+    assert r.status_code == 200 and len(r.json()["requeued"]) == 2
+    r = c.post("/queues/alpha/purge", data={"csrf": csrf, "confirm": "yes"},
+               headers={"accept": "application/json"})
+    assert r.status_code == 200 and r.json()["purged"] == 4
+
+
+def test_a_bulk_confirmation_is_refused_when_a_listed_row_changed(core, db, client, schema):
+    """docs/dashboard.md: "if one of the listed rows changed meanwhile (requeued by someone
+    else), the action is refused with nothing done (PGJ-401; reload and confirm again)". The
+    confirmation lists three dead letters; one is requeued directly (the CLI's statement);
+    the confirmed form is answered 404 PGJ-401, and the other two are still dead letters,
+    nothing else moved."""
+    from kombu_pgjobs.store.admin import Admin
+
+    listed = [kill_dead(core, db, "alpha") for _ in range(3)]
+    c = client(write=True, token=TOKEN)
+    csrf = sign_in(c)
+    r = c.post("/dead/requeue", data={"csrf": csrf, "queue": "alpha"})
+    assert re.search(r"This touches <b>3</b>", r.text), r.text
+    form = dict(re.findall(r'<input type="hidden" name="([^"]+)" value="([^"]*)"', r.text))
+    assert sorted(int(i) for i in form["ids"].split(",")) == sorted(listed)
+    moved = Admin(db, schema).dead_requeue([listed[1]])  # by other means, meanwhile
+    assert [x["id"] for x in moved["requeued"]] == [listed[1]]
+    before = snapshot(db, schema)
+    r = c.post("/dead/requeue", data=form)  # the browser's confirmed form
+    assert r.status_code == 404 and "PGJ-401" in r.text, r.text
+    r = c.post("/dead/requeue", data=form, headers={"accept": "application/json"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "PGJ-401", r.text
+    assert snapshot(db, schema) == before
+    dead = [row[0] for row in db.execute(
+        f'SELECT id FROM "{schema}".pgjobs_dead_letter ORDER BY id').fetchall()]
+    assert dead == sorted([listed[0], listed[2]])
+    audited = db.execute(f"SELECT count(*) FROM \"{schema}\".pgjobs_audit "
+                         "WHERE action = 'dead requeue'").fetchone()[0]
+    assert audited == 0  # refused: not recorded as done

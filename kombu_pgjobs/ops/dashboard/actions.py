@@ -174,9 +174,24 @@ def _survey_purge(admin: Admin, p: Mapping[str, str]) -> Preview:
     return _survey_dead(admin, p)
 
 
+#: what a dead-letter requeue by filter cannot apply (the purge's age)
+_REQUEUE_CANNOT = ("older_than",)
+#: what a queue purge cannot apply: it deletes every ready, delayed and waiting message of
+#: the queue, whatever its task, tenant or state
+_PURGE_QUEUE_CANNOT = ("task", "tenant", "reason", "state", "older_than")
+
+
+def _survey_requeue(admin: Admin, p: Mapping[str, str]) -> Preview:
+    """A dead-letter requeue's confirmation: refused at once for a filter it cannot apply."""
+    _refuse_unknown(p, _REQUEUE_CANNOT)
+    return _survey_dead(admin, p)
+
+
 def _survey_queue(admin: Admin, p: Mapping[str, str]) -> Preview:
     """A queue's messages a purge deletes (ready, delayed, waiting), one batch: the purge
-    is then bounded by their number (it deletes in id order, as they were counted)."""
+    is then bounded by their number (it deletes in id order, as they were counted). A
+    filter it cannot apply (a task, a tenant...) is refused."""
+    _refuse_unknown(p, _PURGE_QUEUE_CANNOT)
     limit = _batch(p)
     page = admin.ls(states=["ready", "delayed", "waiting"], queue=p["name"], limit=limit)
     count = len(page["items"])
@@ -184,6 +199,7 @@ def _survey_queue(admin: Admin, p: Mapping[str, str]) -> Preview:
 
 
 def _dead_requeue(admin: Admin, p: Mapping[str, str]) -> Any:
+    _refuse_unknown(p, _REQUEUE_CANNOT)
     ids = _id_list(p)
     if ids is not None:  # the rows confirmed, and no others
         return admin.dead_requeue(ids) if ids else {"requeued": [], "skipped": [],
@@ -191,6 +207,11 @@ def _dead_requeue(admin: Admin, p: Mapping[str, str]) -> Any:
     return admin.dead_requeue(queue=_opt(p, "queue"), task=_opt(p, "task"),
                               tenant=_opt(p, "tenant"), reason=_opt(p, "reason"),
                               limit=_limit(p))
+
+
+def _purge_queue(admin: Admin, p: Mapping[str, str]) -> Any:
+    _refuse_unknown(p, _PURGE_QUEUE_CANNOT)
+    return admin.purge(p["name"], limit=_limit(p))
 
 
 def _dead_purge(admin: Admin, p: Mapping[str, str]) -> Any:
@@ -496,7 +517,7 @@ def routes(dash: Dashboard) -> list[BaseRoute]:
         Route("/queues/{name:path}/purge", act(
             lambda p: f"Purge queue {p['name']}: delete up to {_limit(p)} ready, delayed and "
                       "waiting messages (running ones finish)",
-            lambda a, p: a.purge(p["name"], limit=_limit(p)), to_overview,
+            _purge_queue, to_overview,
             survey=_survey_queue, report=_purged_queue), methods=post),
         Route("/messages/{id}/requeue", act(
             lambda p: f"Requeue message {p['id']}: run it now",
@@ -508,7 +529,7 @@ def routes(dash: Dashboard) -> list[BaseRoute]:
             lambda a, p: a.cancel([p["id"]]), to_message, report=_cancelled), methods=post),
         Route("/dead/requeue", act(
             lambda p: _bulk("Requeue dead letters", p, ("queue", "task", "tenant", "reason")),
-            _dead_requeue, to_dead, survey=_survey_dead, report=_requeued), methods=post),
+            _dead_requeue, to_dead, survey=_survey_requeue, report=_requeued), methods=post),
         Route("/dead/purge", act(
             lambda p: _bulk("Purge dead letters", p, ("queue", "reason", "older_than")),
             _dead_purge, to_dead, survey=_survey_purge, report=_purged_dead), methods=post),
