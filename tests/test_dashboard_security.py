@@ -1,7 +1,8 @@
 """The dashboard against an attacker: reading needs a token off loopback, the Host allow-list
-(DNS rebinding), server-side sessions (reuse after sign-out, token rotation), CSRF bound to the
-session (a tossed cookie), malformed cookies, the sign-in backoff, token strength, and Secure
-cookies behind a TLS proxy.
+(DNS rebinding, on the default loopback bind too), server-side sessions (reuse after sign-out,
+token rotation, a planted id never promoted), CSRF bound to the session (a tossed cookie),
+malformed cookies, the sign-in backoff, token strength, Secure cookies behind a TLS proxy, and
+what ``--public-read`` says it exposes.
 
 Through Starlette's test client against real Postgres, and through a real ``pgjobs
 dashboard`` server (a subprocess, real HTTP) for what the command line decides: the bind, the
@@ -196,6 +197,46 @@ def test_sessions_expire(core, db, client, schema):
     assert r.status_code == 303  # 12 hours after sign-in, used or not
 
 
+def test_a_planted_session_id_is_never_promoted(core, db, client, schema):
+    """Session fixation: before the operator signs in, an attacker plants a session cookie
+    in the operator's browser (cookie tossing from a sibling domain): an id of their own
+    making, or the live session of the attacker's own read-token sign-in. Signing in with
+    the write token makes a new id; the planted one is not it, and opens nothing after."""
+    core.declare_queue(db, "alpha")
+    c = client(write=True, token=TOKEN, read_token=READ)
+    guard = c.app.state.dashboard.guard  # type: ignore[attr-defined]
+    attacker = TestClient(c.app)
+    attacker_csrf = sign_in(attacker, token=READ)
+    readers = attacker.cookies.get("pgjobs_session")
+    assert readers and attacker.get("/").status_code == 200
+    made_up = "A" * 20 + "attacker-chosen-id-0" + "xyz"  # the shape of a real id
+    assert len(made_up) == 43 and guard.session(made_up) is None
+    for planted in (made_up, readers):
+        victim = TestClient(c.app)
+        victim.cookies.set("pgjobs_session", planted, domain="testserver.local")
+        csrf = sign_in(victim)  # the planted cookie goes with the sign-in
+        session = victim.cookies.get("pgjobs_session")
+        assert session and session != planted
+        assert guard.session(planted) is None  # the planted id names no session now
+        # the attacker's copy of the planted id opens nothing: not a page, not an action
+        thief = TestClient(c.app)
+        r = thief.get("/", headers={"cookie": f"pgjobs_session={planted}"},
+                      follow_redirects=False)
+        assert r.status_code == 303 and r.headers["location"].startswith("/login")
+        for form_csrf in (csrf, attacker_csrf):
+            r = thief.post("/queues/alpha/pause", data={"csrf": form_csrf, "confirm": "yes"},
+                           headers={"cookie": f"pgjobs_session={planted}",
+                                    "accept": "application/json"})
+            assert r.status_code == 401 and r.json()["error"]["code"] == "PGJ-439"
+        assert not paused(db, schema)
+        assert victim.post("/queues/alpha/pause", data={"csrf": csrf, "confirm": "yes"},
+                           headers={"accept": "application/json"}).status_code == 200
+        assert paused(db, schema)
+        db.execute(f'UPDATE "{schema}".pgjobs_queue SET paused = false')
+    # the reader's session ended when the victim's browser signed in over it
+    assert attacker.get("/", follow_redirects=False).status_code == 303
+
+
 # -- CSRF is the session's own -------------------------------------------------------------
 def test_a_tossed_csrf_cookie_does_not_pass_for_the_session(core, db, client, schema):
     """Cookie tossing: a page on a sibling domain can set cookies for the dashboard's host.
@@ -230,11 +271,20 @@ def test_a_tossed_csrf_cookie_does_not_pass_for_the_session(core, db, client, sc
 
 # -- malformed cookies ---------------------------------------------------------------------
 def test_malformed_cookies_are_no_cookies_never_a_500(core, db, client, schema):
+    """docs/dashboard.md: malformed cookies are absent cookies: a page answers as to a
+    signed-out browser (200, or 303 to /login behind a read token) and clears the session
+    cookie; a form is refused as a signed-out browser's: an action 403 (PGJ-433; 401,
+    PGJ-439, behind a read token), the sign-in form 403 (PGJ-434: its CSRF nonce is no
+    nonce); a sign-out has no session to end and goes back to / (303)."""
     job = publish(core, db, "alpha")
     bad = ["1.\u00e9", "\u00e9\u00e9\u00e9", "9999999999.deadbeef", "x" * 5000, "\u0663.\u00ff",
            '"quoted"', "a;b"]
     open_app = client(write=True, token=TOKEN)
     gated = client(write=True, token=TOKEN, read_token=READ)
+    forms = {open_app: {"/queues/alpha/pause": (403, "PGJ-433"), "/logout": (303, None),
+                        "/login": (403, "PGJ-434")},
+             gated: {"/queues/alpha/pause": (401, "PGJ-439"), "/logout": (303, None),
+                     "/login": (403, "PGJ-434")}}
     for value in bad:
         raw = f"pgjobs_session={value}; pgjobs_csrf={value}".encode()
         for c, expect in ((open_app, 200), (gated, 303)):
@@ -246,14 +296,23 @@ def test_malformed_cookies_are_no_cookies_never_a_500(core, db, client, schema):
             r = c.get("/login", headers=[(b"cookie", raw)])
             assert 'pgjobs_session=""' in r.headers.get("set-cookie", "") or \
                 "pgjobs_session=;" in r.headers.get("set-cookie", ""), r.headers
-            for path in ("/queues/alpha/pause", "/logout", "/login"):
+            for path, (status, code) in forms[c].items():
                 r = c.post(path, data={"csrf": value, "confirm": "yes", "token": value},
                            headers=[(b"cookie", raw)], follow_redirects=False)
-                assert r.status_code in (303, 401, 403, 429), (value, path, r.status_code)
-            # a malformed bearer token: ignored where reading is open, refused where not
-            r = c.get("/", headers=[(b"cookie", raw), (b"authorization",
-                                                        f"Bearer {value}".encode())])
-            assert r.status_code in ((200,) if c is open_app else (403, 429)), value
+                assert r.status_code == status, (value, path, r.status_code)
+                if code is not None:
+                    assert code in r.text, (value, path, r.text[:300])
+                else:
+                    assert r.headers["location"] == "/", (value, path)
+                assert 'pgjobs_session=""' in r.headers.get("set-cookie", ""), (value, path)
+    # a malformed bearer token: ignored where reading is open; where not, a wrong token
+    # like any other (403, PGJ-433), which counts toward the backoff (429 after the fifth)
+    for c, want in ((open_app, [200] * len(bad)),
+                    (gated, [403] * FREE_FAILURES + [429] * (len(bad) - FREE_FAILURES))):
+        got = [c.get("/", headers=[(b"cookie", f"pgjobs_session={value}".encode()),
+                                   (b"authorization", f"Bearer {value}".encode())],
+                     follow_redirects=False).status_code for value in bad]
+        assert got == want, (c is open_app, got)
     assert not paused(db, schema)
 
 
@@ -407,6 +466,17 @@ def get(port: int, path: str, headers: dict[str, str]) -> http.client.HTTPRespon
     return response
 
 
+def request(port: int, path: str, headers: dict[str, str]) -> tuple[int, bytes]:
+    """A GET to a real server: its status and body."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        conn.request("GET", path, headers=headers)
+        response = conn.getresponse()
+        return response.status, response.read()
+    finally:
+        conn.close()
+
+
 def test_a_real_server_off_loopback_answers_only_its_names(core, url, schema, tmp_path):
     """DNS rebinding: a page on evil.example whose name the attacker's DNS points at the
     dashboard's address sends ``Host: evil.example``. Bound beyond loopback (0.0.0.0, read
@@ -426,6 +496,51 @@ def test_a_real_server_off_loopback_answers_only_its_names(core, url, schema, tm
     with serve(url, schema, tmp_path, "--bind", "0.0.0.0", "--public-read") as port:
         assert get(port, "/", {"Host": "evil.example"}).status == 400
         assert get(port, "/", {"Host": f"localhost:{port}"}).status == 200
+
+
+def test_a_real_server_on_the_default_loopback_bind_refuses_a_foreign_host(core, db, url, schema,
+                                                                          tmp_path):
+    """DNS rebinding against the default bind: a page on evil.example, whose name the
+    attacker's DNS points at 127.0.0.1, makes the operator's browser ask the dashboard with
+    ``Host: evil.example``. Bound to 127.0.0.1 (the default, reading open there), it answers
+    400 (PGJ-437) and shows no data; its loopback names are answered."""
+    job = publish(core, db, "alpha")
+    with serve(url, schema, tmp_path) as port:  # no --bind: 127.0.0.1
+        for host in ("evil.example", f"evil.example:{port}", "127.0.0.1.evil.example",
+                     f"localhost.evil.example:{port}"):
+            for path in ("/", f"/messages/{job}", "/dead"):
+                status, body = request(port, path, {"Host": host,
+                                                    "Accept": "application/json"})
+                assert status == 400, (host, path, status)
+                assert json.loads(body)["error"]["code"] == "PGJ-437", (host, body)
+            status, body = request(port, "/", {"Host": host})  # the browser's own page
+            assert status == 400 and b"PGJ-437" in body and b"alpha" not in body, host
+        for host in (f"127.0.0.1:{port}", f"localhost:{port}", "localhost"):
+            status, body = request(port, f"/messages/{job}", {"Host": host})
+            assert status == 200 and f"Message {job}".encode() in body, host
+
+
+def test_a_real_server_with_public_read_says_what_it_exposes(core, url, schema, tmp_path):
+    """``--public-read`` off loopback: the server says on stderr and in its log what anyone
+    who reaches it reads (docs/dashboard.md's list); on loopback it has nothing to say."""
+    exposed = ("every queue", "every message's body, headers and arguments",
+               "every dead letter's error and traceback", "workers", "tenants", "schedules",
+               "webhook endpoint URLs and their delivery attempts")
+    with serve(url, schema, tmp_path, "--bind", "0.0.0.0", "--public-read") as port:
+        assert get(port, "/", {"Host": f"127.0.0.1:{port}"}).status == 200
+        out = (tmp_path / f"dashboard-{port}.log").read_text("utf-8")
+    said = [line for line in out.splitlines()
+            if line.startswith("pgjobs dashboard: --public-read: anyone who reaches 0.0.0.0 "
+                               "reads ")]
+    logged = [line for line in out.splitlines()
+              if "pgjobs.dashboard.public_read on 0.0.0.0: anyone who reaches it reads " in line]
+    assert len(said) == 1 and len(logged) == 1, out
+    for what in exposed:
+        assert what in said[0] and what in logged[0], (what, out)
+    with serve(url, schema, tmp_path, "--public-read") as port:  # loopback: not exposed
+        assert get(port, "/", {"Host": f"127.0.0.1:{port}"}).status == 200
+        out = (tmp_path / f"dashboard-{port}.log").read_text("utf-8")
+    assert "anyone who reaches" not in out, out
 
 
 def test_a_real_server_behind_a_tls_proxy_sets_secure_cookies(core, url, schema, tmp_path):
