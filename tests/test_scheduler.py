@@ -23,7 +23,7 @@ from kombu_pgjobs.store.core import QueueCore, job_from_message
 from kombu_pgjobs.store.scheduling import EntryDef, ScheduleStore
 from kombu_pgjobs.store.schema import migrate
 
-from .conftest import wait_for
+from .conftest import ROOT, wait_for
 
 UTC = timezone.utc
 
@@ -338,6 +338,38 @@ def test_an_outage_shorter_than_the_grace_fires_every_occurrence_whatever_the_po
     assert len(on_time) == 31
     older = len(plan.fires) - len(on_time)
     assert older == {"skip": 0, "once": 1, "all": 100}[policy], plan.fires[:3]  # all: the cap
+
+
+def test_the_catch_up_table_example_fires_what_each_cell_says():
+    """docs/scheduler.md's catch-up table, on its own example: every minute, last fired at
+    12:00, down from 12:00:30 to 12:10:30, the default 60 s grace (12:10 on time, 12:01-12:09
+    missed); then the paragraph under it, a grace of 0."""
+    doc = (ROOT / "docs" / "scheduler.md").read_text("utf-8")
+    assert "down from\n12:00:30 to 12:10:30, the default grace of 60 s" in doc  # the example
+    rec = parse_schedule("every 1m")
+    noon = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
+    now = noon + timedelta(minutes=10, seconds=30)
+
+    def at(minute: int) -> datetime:
+        return noon + timedelta(minutes=minute)
+
+    def plan(policy: str, grace: float = 60, latest: bool = True) -> Any:
+        return catch_up_plan(rec, noon, noon, now, policy=policy, cap=100, grace=grace,
+                             latest=latest)
+
+    # skip: one run, the on-time 12:10, carrying missed = 9 (pgjobs_catch_up_latest moot)
+    assert plan("skip").fires == plan("skip", latest=False).fires == [(at(10), at(10), 9)]
+    # once: the first missed (12:01, accounting up to 12:09) with missed = 9, then 12:10
+    assert plan("once").fires == [(at(1), at(9), 9), (at(10), at(10), 0)]
+    # all: ten runs, oldest first, none carrying a count
+    assert plan("all").fires == [(at(m), at(m), 0) for m in range(1, 11)]
+    assert all(plan(p).next_due == at(11) for p in ("skip", "once", "all"))
+    # a grace of 0: nothing on time
+    assert plan("skip", grace=0).fires == [(at(10), at(10), 9)]
+    none = plan("skip", grace=0, latest=False)
+    assert none.fires == [] and none.skipped == (at(10), 10)
+    assert plan("once", grace=0).fires == [(at(1), at(10), 10)]
+
 
 # -- dynamic entries -------------------------------------------------------------------------
 def test_cli_entry_fires_without_restart(db, schema, scheduler, dsn, capsys):
