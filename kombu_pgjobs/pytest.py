@@ -22,10 +22,23 @@ Fixtures
     ``queue``, ``task``, ``task_id``, ``reason``, ``error_type``, ``error_message``,
     ``attempts``, ...), oldest first.
 
+``pgjobs_celery_config`` (session)
+    ``{}``: override it in your ``conftest.py`` to give ``pgjobs_celery_app`` settings of
+    yours (the broker URL is ``pgjobs_broker_url``'s unless they set one).
+``pgjobs_celery_app``
+    A Celery test app (``celery.contrib.testing.app.TestApp``: results in memory,
+    ``cache+memory://``) on ``pgjobs_broker_url``, the default app while the test runs.
+``pgjobs_celery_worker``
+    A real worker of ``pgjobs_celery_app`` (``celery.contrib.testing.worker.start_worker``:
+    the ``solo`` pool, in a thread of the test process), started and answering a ping before
+    the test, stopped after it. Call its ``reload()`` after defining tasks in the test.
+
 Both helpers read the default schema ``pgjobs``; pass ``schema=`` when the app sets the
-``schema`` transport option. Celery's own ``celery_config``/``celery_app``/``celery_worker``
-fixtures (``celery.contrib.pytest``) run an in-process worker on the URL: see docs/testing.md,
-which also says how to get them when pytest-celery 1.x (Docker-based) is installed.
+``schema`` transport option. The ``pgjobs_celery_*`` fixtures are Celery's own testing
+helpers under names of this plugin, so they work with pytest-celery 1.x installed (whose
+``celery_worker`` is Docker-based) and with nothing to add; Celery's own
+``celery_config``/``celery_app``/``celery_worker`` fixtures (``celery.contrib.pytest``) run on
+the URL too: see docs/testing.md.
 """
 
 from __future__ import annotations
@@ -38,7 +51,8 @@ from typing import Any
 
 import pytest
 
-__all__ = ["ENV_DSN", "pgjobs_broker_url", "pgjobs_dead_letters", "pgjobs_queue_depth"]
+__all__ = ["ENV_DSN", "pgjobs_broker_url", "pgjobs_celery_app", "pgjobs_celery_config",
+           "pgjobs_celery_worker", "pgjobs_dead_letters", "pgjobs_queue_depth"]
 
 #: the environment variable naming the server to make throwaway databases on
 ENV_DSN = "PGJOBS_TEST_DSN"
@@ -213,3 +227,36 @@ def pgjobs_dead_letters(pgjobs_broker_url: str) -> Callable[..., list[dict[str, 
         return list(_admin_run(pgjobs_broker_url, schema, listing, []))
 
     return dead_letters
+
+
+@pytest.fixture(scope="session")
+def pgjobs_celery_config() -> dict[str, Any]:
+    """Settings of ``pgjobs_celery_app``: override this fixture (session scope) to add yours."""
+    return {}
+
+
+@pytest.fixture
+def pgjobs_celery_app(pgjobs_broker_url: str,
+                      pgjobs_celery_config: dict[str, Any]) -> Iterator[Any]:
+    """A Celery test app on ``pgjobs_broker_url``, the default app for the test; closed after."""
+    from celery.contrib.testing.app import TestApp, setup_default_app
+
+    config = {"broker_url": pgjobs_broker_url, **pgjobs_celery_config}
+    app = TestApp("pgjobs_tests", config=config, set_as_current=False)
+    with setup_default_app(app):
+        app.set_default()
+        app.set_current()
+        yield app
+
+
+@pytest.fixture
+def pgjobs_celery_worker(pgjobs_celery_app: Any) -> Iterator[Any]:
+    """A worker of ``pgjobs_celery_app`` in a thread (Celery's ``start_worker``, ``solo`` pool),
+    running when the test starts and stopped after it."""
+    from celery.backends.base import DisabledBackend
+    from celery.contrib.testing.worker import start_worker
+
+    ping = not isinstance(pgjobs_celery_app.backend, DisabledBackend)  # needs results
+    with start_worker(pgjobs_celery_app, pool="solo", perform_ping_check=ping,
+                      shutdown_timeout=30.0) as worker:
+        yield worker

@@ -1,7 +1,8 @@
 """The pytest plugin (issue 33, item 1): docs/testing.md's files run as a user's project would.
 
 * In a fresh virtualenv with ``pip install '<this checkout>[pytest]'`` (pytest-celery 1.x comes
-  with it) and no server configured: the embedded server, Celery's in-process worker.
+  with it) and no server configured: the embedded server, the plugin's in-process worker with
+  no conftest.py, and Celery's own fixtures as the page's section on them sets them up.
 * On ``$PGJOBS_TEST_DSN`` under pytest-xdist: a database per worker, each dropped at the end.
 * Loaded but not asked for: nothing imported, no warning.
 
@@ -30,15 +31,22 @@ _BLOCK = re.compile(r"^```python\n# (\S+\.py)\n(.*?)^```", re.MULTILINE | re.DOT
 _SUMMARY = re.compile(r"^=*\s*(\d+) passed", re.MULTILINE)
 
 
-def doc_files() -> dict[str, str]:
-    """The files docs/testing.md shows, by name (a ```python block opening with ``# name.py``)."""
-    return {m.group(1): f"# {m.group(1)}\n{m.group(2)}" for m in _BLOCK.finditer(
-        DOC.read_text("utf-8"))}
+#: the page's section with Celery's own fixtures: a project of its own (its conftest.py)
+CELERY_SECTION = "## pytest-celery 1.x and Celery's own fixtures"
 
 
-def _doc_tests() -> int:
+def doc_files(celery_fixtures: bool = False) -> dict[str, str]:
+    """The files docs/testing.md shows, by name (a ```python block opening with ``# name.py``):
+    those of the page, or with ``celery_fixtures`` those of its section on Celery's fixtures."""
+    head, rest = DOC.read_text("utf-8").split(CELERY_SECTION, 1)
+    section, _, tail = rest.partition("\n## ")
+    text = section if celery_fixtures else head + tail
+    return {m.group(1): f"# {m.group(1)}\n{m.group(2)}" for m in _BLOCK.finditer(text)}
+
+
+def _doc_tests(celery_fixtures: bool = False) -> int:
     return sum(len(re.findall(r"^def test_", text, re.MULTILINE))
-               for text in doc_files().values())
+               for text in doc_files(celery_fixtures).values())
 
 
 @pytest.fixture
@@ -77,11 +85,19 @@ def _databases(conninfo: str) -> set[str]:
             "SELECT datname FROM pg_database WHERE datname LIKE 'pgjobs_test_%'").fetchall()}
 
 
-def test_the_page_shows_a_conftest_and_test_files() -> None:
+def test_the_page_shows_test_files_that_need_no_conftest() -> None:
+    """No extra step: the page's test files need no conftest.py (no ``pytest_plugins`` line)
+    and use the plugin's worker; Celery's own fixtures are a section of their own."""
     files = doc_files()
-    assert "conftest.py" in files and "test_tasks.py" in files, sorted(files)
-    assert "pgjobs_broker_url" in files["conftest.py"]
+    assert "test_tasks.py" in files and "conftest.py" not in files, sorted(files)
+    assert not any("pytest_plugins" in text for text in files.values())
+    assert "pgjobs_celery_worker" in files["test_tasks.py"]
     assert _doc_tests() >= 3
+    celery = doc_files(celery_fixtures=True)
+    assert set(celery) == {"conftest.py", "test_celery_fixtures.py"}, sorted(celery)
+    assert "pgjobs_broker_url" in celery["conftest.py"]
+    assert "celery.contrib.pytest" in celery["conftest.py"]
+    assert _doc_tests(celery_fixtures=True) >= 1
 
 
 @pytest.mark.e2e
@@ -90,7 +106,8 @@ def test_the_page_shows_a_conftest_and_test_files() -> None:
 def test_the_docs_project_in_a_fresh_venv_with_pytest_celery_on_the_embedded_server(
         project: Path) -> None:
     """The issue's "done when": a fresh virtualenv, ``pip install 'kombu-pgjobs[pytest]'``,
-    the page's files, ``pytest`` with no server configured."""
+    the page's files, ``pytest`` with no server configured and nothing added for
+    pytest-celery; then the page's project on Celery's own fixtures, in the same venv."""
     venv = project / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     python = str(venv / "bin" / "python")
@@ -107,17 +124,20 @@ def test_the_docs_project_in_a_fresh_venv_with_pytest_celery_on_the_embedded_ser
         capture_output=True, text=True, check=True).stdout.strip()
     assert version.startswith("1."), f"pytest-celery {version}"
 
-    user = project / "app"
-    user.mkdir()
-    _write(user, doc_files())
     pgdata = project / "pgdata"
     env = _user_env(PGJOBS_EMBEDDED_DIR=str(pgdata))  # where the data lives; nothing else set
     try:
-        run = _pytest(python, user, env)
-        out = run.stdout + run.stderr
-        assert run.returncode == 0, out[-6000:]
-        passed = _SUMMARY.search(out)
-        assert passed and int(passed.group(1)) == _doc_tests(), out[-3000:]
+        # the page's files (no conftest.py), then its section on Celery's own fixtures
+        for directory, celery_fixtures in (("app", False), ("celery-app", True)):
+            user = project / directory
+            user.mkdir()
+            _write(user, doc_files(celery_fixtures))
+            run = _pytest(python, user, env)
+            out = run.stdout + run.stderr
+            assert run.returncode == 0, f"{directory}:\n{out[-6000:]}"
+            passed = _SUMMARY.search(out)
+            assert passed and int(passed.group(1)) == _doc_tests(celery_fixtures), \
+                f"{directory}:\n{out[-3000:]}"
         # the embedded server ran there, and the session's database is gone
         port = re.search(r"port = (\d+)", (pgdata / "kombu_pgjobs.conf").read_text())
         assert port, "no embedded server was made"
@@ -202,3 +222,23 @@ def test_the_helpers_answer_nothing_before_anything_connected(dsn: str, project:
         "    assert pgjobs_dead_letters() == [] and pgjobs_dead_letters(queue='x') == []\n")
     run = _pytest(sys.executable, project, _user_env(PGJOBS_TEST_DSN=dsn))
     assert run.returncode == 0 and "1 passed" in run.stdout, (run.stdout + run.stderr)[-3000:]
+
+
+@pytest.mark.e2e
+def test_pgjobs_celery_config_gives_the_app_its_settings(dsn: str, project: Path) -> None:
+    """An override of ``pgjobs_celery_config`` reaches ``pgjobs_celery_app``, and its worker
+    consumes the queue the settings name; the broker stays the session's database."""
+    (project / "conftest.py").write_text(
+        "import pytest\n\n\n@pytest.fixture(scope='session')\n"
+        "def pgjobs_celery_config():\n    return {'task_default_queue': 'work'}\n")
+    (project / "test_config.py").write_text(
+        "def test_config(pgjobs_celery_app, pgjobs_celery_worker, pgjobs_broker_url,\n"
+        "                pgjobs_queue_depth):\n"
+        "    assert pgjobs_celery_app.conf.broker_url == pgjobs_broker_url\n"
+        "    assert pgjobs_celery_app.conf.task_default_queue == 'work'\n"
+        "    @pgjobs_celery_app.task\n    def add(x, y):\n        return x + y\n\n"
+        "    pgjobs_celery_worker.reload()\n"
+        "    assert add.delay(2, 3).get(timeout=20) == 5\n"
+        "    assert pgjobs_queue_depth('work') == 0\n")
+    run = _pytest(sys.executable, project, _user_env(PGJOBS_TEST_DSN=dsn))
+    assert run.returncode == 0 and "1 passed" in run.stdout, (run.stdout + run.stderr)[-4000:]
