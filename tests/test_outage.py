@@ -73,7 +73,10 @@ def test_a_server_stopped_for_longer_than_the_lease_reruns_nothing(
     starts = f'SELECT count(*) FROM "{schema}".pgjobs_test_start'
     wait_for(lambda: _one(dsn, starts) >= 8, 60, what="eight tasks to start")
     server.halt()
+    # the shared database's clock (it stays up; the tasks write their finish time there)
+    halted_at = _one(dsn, "SELECT clock_timestamp()")
     time.sleep(1.5 * LEASE)
+    restarted_at = _one(dsn, "SELECT clock_timestamp()")
     server.start()
     runs = f'SELECT count(DISTINCT label) FROM "{schema}".pgjobs_test_run'
     wait_for(lambda: _one(dsn, runs) == len(calls), 90, interval=0.5,
@@ -86,6 +89,18 @@ def test_a_server_stopped_for_longer_than_the_lease_reruns_nothing(
     assert twice is None, f"started a second time: {twice}"
     assert _one(dsn, starts) == len(calls)
     assert _one(dsn, f'SELECT count(*) FROM "{schema}".pgjobs_test_run') == len(calls)
+    # Some tasks really finished while the broker's server was down: their acks could only
+    # wait in the workers, and the job table emptied, so those buffered acks landed after it.
+    in_outage = _one(dsn, f"SELECT string_agg(label, ', ' ORDER BY label) "
+                          f'FROM "{schema}".pgjobs_test_run '
+                          f"WHERE finished > '{halted_at.isoformat()}' "
+                          f"AND finished < '{restarted_at.isoformat()}'")
+    finished = in_outage.split(", ") if in_outage else []
+    # the short ones, and the prefetched ones the workers started after them (delivered
+    # already); never a long one (20 s from before the stop)
+    assert any(label.startswith("short") for label in finished), (
+        f"no short task finished during the outage: {finished}")
+    assert not any(label.startswith("long") for label in finished), finished
     dead = _one(server.dsn, f'SELECT count(*) FROM "{schema}".pgjobs_dead_letter')
     assert dead == 0
     for w in workers:
@@ -219,3 +234,77 @@ def test_a_consumed_queue_found_dropped_is_declared_again_with_its_bindings(
     wait_for(lambda: app.control.ping(timeout=1.0), 15, interval=0.5,
              what="the worker to answer again")
     app.close()
+
+
+@exclusive  # a lease of 4 s on the shared server: a lapse is a matter of seconds
+def test_a_stuck_keeper_statement_is_cancelled_within_half_a_lease(url, dsn, schema, caplog):
+    """A kombu consumer (lease 4 s, the default statement_timeout of 60 s and lock_timeout of
+    10 s) holds two messages and acks one, whose concurrency key another session keeps locked
+    for three leases: the keeper's flush of that ack waits for the key's lock (a claim would
+    skip it; the flush waits). The flush is cancelled after half a lease and tried again each
+    tick, so neither held message's lease lapses (read from Postgres all along), none is
+    rescued, the ack stays buffered and lands once the lock is released. Before, the flush
+    waited out lock_timeout (10 s) between two renewals and both leases lapsed."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="kombu_pgjobs")
+    lease = 4.0
+    limits = {"concurrency": [{"key": "stuck-key", "limit": 1}]}
+    conn = Connection(url, transport_options={"schema": schema, "lease_ttl": lease})
+    try:
+        with conn.SimpleQueue("stuck") as queue:
+            queue.put({"n": "limited"}, headers={"x-pgjobs-limits": limits})
+            queue.put({"n": "plain"})
+            got = {m.payload["n"]: m for m in (queue.get(timeout=5), queue.get(timeout=5))}
+            limited, plain = got["limited"], got["plain"]
+            ids = {n: int(m.delivery_tag.split(".")[0]) for n, m in got.items()}
+            with psycopg.connect(dsn, autocommit=True) as locker, \
+                    psycopg.connect(dsn, autocommit=True) as db:
+                key = db.execute(
+                    f"SELECT limits -> 'concurrency' -> 0 ->> 'key' "
+                    f'FROM "{schema}".pgjobs_job WHERE id = %s', (ids["limited"],)
+                ).fetchone()[0]
+                claims = dict(db.execute(f'SELECT id, claim FROM "{schema}".pgjobs_job'
+                                         ).fetchall())
+                locker.execute("BEGIN")
+                assert locker.execute(
+                    f'SELECT 1 FROM "{schema}".pgjobs_lock WHERE class = \'limit\' '
+                    "AND bucket = hashtext(%s) & 1023 FOR UPDATE", (key,)).fetchone()
+                limited.ack()  # buffered: nobody drains, so the keeper flushes it
+                held_for = 3 * lease
+                ends = time.monotonic() + held_for
+                margins: list[float] = []
+                while time.monotonic() < ends:
+                    rows = db.execute(
+                        f"SELECT id, state, claim, "
+                        f"extract(epoch FROM lease_expires_at - clock_timestamp()) "
+                        f'FROM "{schema}".pgjobs_job ORDER BY id').fetchall()
+                    assert [(r[0], r[1], r[2]) for r in rows] == [
+                        (i, "running", claims[i]) for i in sorted(claims)], rows
+                    margins.append(min(float(r[3]) for r in rows))
+                    assert margins[-1] > 0, (
+                        f"a lease lapsed while a keeper statement waited: {rows}")
+                    time.sleep(0.1)
+                waiting = db.execute(
+                    "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                    "AND query LIKE %s", (f"%{schema}%",)).fetchone()[0]
+                locker.execute("ROLLBACK")
+                wait_for(lambda: db.execute(f'SELECT count(*) FROM "{schema}".pgjobs_job '
+                                            "WHERE id = %s", (ids["limited"],)
+                                            ).fetchone()[0] == 0,
+                         3 * lease, interval=0.1,
+                         what="the buffered ack to land once the lock is released")
+                assert db.execute(f'SELECT state, claim, attempts FROM "{schema}".pgjobs_job'
+                                  ).fetchall() == [("running", claims[ids["plain"]], 1)]
+            plain.ack()
+    finally:
+        conn.release()
+    log = [r.getMessage() for r in caplog.records]
+    cancelled = [m for m in log if "pgjobs.ack.flush_failed" in m]
+    assert cancelled and all("canceling statement due to user request" in m
+                             for m in cancelled), log
+    # each flush waits at most half a lease, then ticks renew: at least a try per lease
+    assert len(cancelled) >= 2, cancelled
+    assert waiting <= 1, "one statement waits for the key's lock at a time"
+    assert not any("pgjobs.lease." in m for m in log), log  # neither lost nor rescued
+    assert min(margins) > 0.5, f"the closest a lease came to lapsing: {min(margins):.2f}s"

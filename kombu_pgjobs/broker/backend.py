@@ -39,7 +39,7 @@ from ..errors import (
 from ..events import log_event, one_line
 from ..options import TransportOptions
 from ..store import history, retention
-from ..store.core import NewJob, Pair, QueueCore
+from ..store.core import NewJob, Pair, QueueCore, bounded
 from ..store.database import connect
 from ..store.schema import current_version as schema_version
 from ..store.schema import latest_version, migrate
@@ -248,9 +248,12 @@ class Backend:
         self._keeper_lock = threading.Lock()
 
     # -- connections ---------------------------------------------------------------------
-    def connect(self, *, hot: bool = False) -> psycopg.Connection[Any]:
+    def connect(self, *, hot: bool = False,
+                timeout: float | None = None) -> psycopg.Connection[Any]:
         """A new connection, the schema checked. ``hot``: for the claim connection, whose
-        claim statement runs thousands of times (see :data:`CLAIM_SESSION`)."""
+        claim statement runs thousands of times (see :data:`CLAIM_SESSION`). ``timeout``:
+        seconds after which the failover fence's statement is cancelled (the keeper's bound;
+        a migration is never cut short)."""
         # Poll-only mode is for PgBouncer in transaction pooling: no prepared statements there.
         prepare = self.options.use_listen_notify
         conn = connect(self.conninfo, prepare=prepare)
@@ -259,7 +262,12 @@ class Backend:
                 conn.execute(setting, prepare=False)
         self.ensure_schema(conn)
         if self.options.failover_fence:
-            self.fence_epoch(conn)
+            try:
+                with bounded(conn, timeout):
+                    self.fence_epoch(conn)
+            except BaseException:
+                conn.close()
+                raise
         return conn
 
     def fence_epoch(self, conn: psycopg.Connection[Any]) -> None:
@@ -640,12 +648,21 @@ class Backend:
         if settle_listeners:
             self._tell_settled(sent, hit, action)
 
-    def flush_acks(self, conn: psycopg.Connection[Any]) -> int:
+    def flush_acks(self, conn: psycopg.Connection[Any], *,
+                   timeout: float | None = None) -> int:
+        """Settle the buffered acks in one statement (``timeout``: cancelled after that many
+        seconds, the keeper's bound). A flush that fails, cancelled included, settled nothing
+        (one statement): its acks go back to the buffer with the outcome words noted for
+        them, for the next flush."""
         acks = self.take_acks()
         if acks:
+            words = self.core._hints  # the statement takes the words it sends (claim_statement)
+            noted = {p: words[p] for p in acks if p in words} if words else {}
             try:
-                hit = self.core.ack(conn, acks)
+                hit = self.core.ack(conn, acks, timeout=timeout)
             except BaseException:
+                for pair, word in noted.items():
+                    self.core.note_outcome(pair, word)
                 self.restore_acks(acks)
                 raise
             self.settled(acks, hit, "ack")
@@ -779,6 +796,12 @@ class Keeper(threading.Thread):
     It runs in the process that holds the leases, on its own connection, so a CPU-bound task in
     a prefork child cannot starve renewal, and a busy consumer thread cannot either. One tick
     every lease_ttl/3, one statement (plus a renewal when it holds leases).
+
+    Every statement it runs is cancelled after lease_ttl/2 (:attr:`bound`), whatever the
+    session's statement_timeout, and before any statement but a renewal it renews again once
+    a tick's interval has passed since the last renewal (:meth:`keep_leases`): two renewals
+    are never more than lease_ttl/3 + lease_ttl/2 apart, however long a lock holds one of its
+    statements. A statement cut short settles nothing and is tried again later.
     """
 
     def __init__(self, backend: Backend) -> None:
@@ -821,6 +844,7 @@ class Keeper(threading.Thread):
             try:
                 if self.vacuum_wanted.is_set() and time.monotonic() >= self._vacuum_after:
                     self.vacuum_wanted.clear()
+                    self.keep_leases(self.connection())
                     started = time.monotonic()
                     try:
                         # Never long enough to hold up the next lease renewal much.
@@ -833,14 +857,14 @@ class Keeper(threading.Thread):
                     self._vacuum_after = time.monotonic() + took * (1 / VACUUM_DUTY - 1)
                 if self.renew_wanted.is_set() and time.monotonic() - self._renewed_at >= 1.0:
                     self.renew_wanted.clear()
-                    self.renew(self.connection(), b.options.lease_ttl / 2)
+                    self.renew(self.connection(), self.bound)
                 if self.ack_event.is_set():
                     self.ack_event.clear()
                     if self.stop_event.wait(ack_grace):
                         break
                     age = b.oldest_ack_age()
                     if age is not None and age >= ack_grace:
-                        b.flush_acks(self.connection())
+                        self.flush(self.connection())
                 if time.monotonic() >= next_tick or self.tick_wanted.is_set():
                     self.tick_wanted.clear()
                     next_tick = time.monotonic() + interval
@@ -874,11 +898,55 @@ class Keeper(threading.Thread):
         if self is not threading.current_thread():
             self.join(5)
 
+    @property
+    def bound(self) -> float:
+        """Seconds after which any statement of the keeper is cancelled: half a lease."""
+        return self.backend.options.lease_ttl / 2
+
     def connection(self) -> psycopg.Connection[Any]:
         if self._conn is None or self._conn.closed:
             self.reachable_since = self._last_ok = None  # a new connection: a new count
-            self._conn = self.backend.connect()
+            self._conn = self.backend.connect(timeout=self.bound)
         return self._conn
+
+    def keep_leases(self, conn: psycopg.Connection[Any]) -> None:
+        """Renew first if a tick's interval has passed since the last renewal: called before
+        every statement but a renewal, so that statements cut short at :attr:`bound` one
+        after another never hold up the next renewal past the lease."""
+        if time.monotonic() - self._renewed_at >= self.backend.options.tick_interval:
+            self.renew(conn, self.bound)
+
+    def flush(self, conn: psycopg.Connection[Any]) -> None:
+        """Flush the buffered acks (bounded): acks a flush could not settle (cut short at
+        :attr:`bound` while a key's lock is held, a failed statement) stay buffered for the
+        next tick; fenced, a late one only misses. Only a broken connection raises."""
+        self.keep_leases(conn)
+        try:
+            self.backend.flush_acks(conn, timeout=self.bound)
+        except PoolerUnsupported:
+            raise
+        except (psycopg.Error, PgJobsError) as exc:  # still buffered: the next tick
+            cut = (f" (not done within the keeper's bound of {self.bound:g}s, half a lease)"
+                   if _cut_short(exc) else "")
+            log.warning("pgjobs.ack.flush_failed%s %s", cut, exc, extra={"action": "keeper"})
+            if conn.closed or conn.broken:
+                raise
+
+    def step(self, conn: psycopg.Connection[Any], what: str, run: Callable[[], Any]) -> Any:
+        """One statement of the tick after its maintenance (bounded by ``run`` itself): one
+        cut short (cancelled at :attr:`bound`, or past lock_timeout) is logged and skipped,
+        the next tick asks again; None then."""
+        self.keep_leases(conn)
+        try:
+            return run()
+        except (psycopg.errors.QueryCanceled, psycopg.errors.LockNotAvailable,
+                DatabaseTimeout) as exc:
+            if conn.closed or conn.broken:
+                raise
+            log.warning("pgjobs.keeper.cancelled %s: not done within %gs (the keeper's bound, "
+                        "half a lease); the next tick again: %s", what, self.bound,
+                        one_line(str(exc)), extra={"action": "keeper"})
+            return None
 
     def may_judge(self, now: float) -> bool:
         """Whether this keeper reached the database for a full lease without a break (counted
@@ -916,22 +984,20 @@ class Keeper(threading.Thread):
         started = time.monotonic()
         conn = self.connection()
         core = b.core
-        # Every statement of a tick ends well within a lease: a statement_timeout longer than
-        # the lease (60 s by default against 30 s) must not let a stuck tick outlast the leases
-        # it renews.
-        bound = b.options.lease_ttl / 2
+        # Every statement of a tick is cancelled after half a lease (bound): a
+        # statement_timeout longer than the lease (60 s by default against 30 s), or a lock
+        # another session holds, must not let a stuck tick outlast the leases it renews; and
+        # before each statement after the first the keeper renews again once a tick's
+        # interval has passed (keep_leases).
+        bound = self.bound
         fleet = self.may_judge(started)
         self.renew(conn, bound)  # first: nothing else in the tick may hold up a renewal
         age = b.oldest_ack_age()
         if age is not None and age >= self.ack_grace:
-            # Acks a failed flush put back (a broken connection, a consumer that stopped):
-            # every tick retries them until they settle; fenced, a late one only misses.
-            try:
-                b.flush_acks(conn)
-            except (psycopg.Error, PgJobsError) as exc:  # still buffered: the next tick
-                log.warning("pgjobs.ack.flush_failed %s", exc, extra={"action": "keeper"})
-                if conn.closed or conn.broken:
-                    raise
+            # Acks a failed flush put back (a broken connection, a consumer that stopped, a
+            # flush cut short): every tick retries them until they settle.
+            self.flush(conn)
+        self.keep_leases(conn)
         outcomes = core.maintain(conn, consumed=list(b.consumed), held=len(b.held),
                                  grace=3 * b.options.tick_interval, fleet=fleet,
                                  timeout=bound)
@@ -939,10 +1005,11 @@ class Keeper(threading.Thread):
         self._failing = False
         for outcome, job_id, queue in outcomes:
             if outcome == "release":  # slots whose holder is gone: free them, wake waiters
-                core.release_orphans(conn)
+                self.step(conn, "release_orphans",
+                          lambda: core.release_orphans(conn, timeout=bound))
             elif outcome == "vacuum":  # the server's autovacuum is off
                 log_event("pgjobs.keeper.vacuum", logging.INFO, schema=b.options.schema)
-                core.vacuum(conn)
+                self.step(conn, "vacuum", lambda: core.vacuum(conn, timeout=bound))
             elif outcome == "woken":
                 log_event("pgjobs.limit.woken", logging.INFO, job_id=job_id, queue=queue)
             elif outcome == "buried":
@@ -951,10 +1018,20 @@ class Keeper(threading.Thread):
                 log_event("pgjobs.lease.rescued", logging.INFO, job_id=job_id, queue=queue)
             elif outcome == "queue_expired":
                 log_event("pgjobs.queue.expired", logging.INFO, queue=queue)
-            elif outcome == "queue_missing" and core.redeclare(conn, queue):
+            elif outcome == "queue_missing" and self.step(
+                    conn, "redeclare", lambda q=queue: core.redeclare(conn, q, timeout=bound)):
                 log_event("pgjobs.queue.redeclared", queue=queue)
-        retention.on_tick(self, conn)  # the automatic retention sweep's turn (issue 34)
-        history.on_tick(self, conn)  # the history rollup's turn, after settles (issue 34)
+        # the automatic retention sweep's turn (issue 34; the sweep has its own thread and
+        # connection), then the history rollup's turn, after settles (issue 34)
+        self.step(conn, "retention turn",
+                  lambda: retention.on_tick(self, conn, timeout=bound))
+        self.step(conn, "history rollup", lambda: history.on_tick(self, conn, timeout=bound))
+
+
+def _cut_short(exc: BaseException) -> bool:
+    """Whether a statement failed for a cancel or a lock wait, not a broken connection."""
+    return isinstance(exc, (psycopg.errors.QueryCanceled, psycopg.errors.LockNotAvailable,
+                            DatabaseTimeout))
 
 
 def _no_block(backend: Backend) -> Any:

@@ -56,6 +56,7 @@ __all__ = [
     "PublishOutcome",
     "QueueCore",
     "WaitPlan",
+    "bounded",
     "job_from_message",
     "queue_full",
     "take_publish_outcome",
@@ -442,6 +443,11 @@ def _bounded(conn: psycopg.Connection[Any], timeout: float | None) -> Any:
     return _Watchdog(conn, timeout) if timeout else contextlib.nullcontext()
 
 
+#: :func:`_bounded` for the other store modules whose statements the keeper runs (the history
+#: rollup's turn, the retention sweep's turn): one mechanism for every keeper statement
+bounded = _bounded
+
+
 class QueueCore:
     """Statements on the job tables of one schema."""
 
@@ -738,11 +744,15 @@ class QueueCore:
                 log_event("pgjobs.limit.refused", job_id=h.id, key=h.key)
         return ClaimResult(claimed, acked, due_in, drained, held_back, unsettled, quiet)
 
-    def ack(self, conn: psycopg.Connection, pairs: Sequence[Pair]) -> set[int]:
+    def ack(self, conn: psycopg.Connection, pairs: Sequence[Pair], *,
+            timeout: float | None = None) -> set[int]:
         """Fenced delete of acked messages when no claim goes with them (the claim statement
         with nothing to claim); those holding slots release them, waiting for their keys'
-        locks. Returns the ids that were still held."""
-        return self.claim(conn, (), 0, pairs).acked
+        locks. Returns the ids that were still held. ``timeout``: seconds after which the
+        statement is cancelled (QueryCanceled, raised as DatabaseTimeout), whatever the
+        session's statement_timeout; one statement, so a cancelled ack settles nothing."""
+        with _bounded(conn, timeout):
+            return self.claim(conn, (), 0, pairs).acked
 
     def vacuum(self, conn: psycopg.Connection, *, timeout: float | None = None) -> None:
         """VACUUM the job and slot tables: the keeper, after its process settled
@@ -773,11 +783,14 @@ class QueueCore:
                         f"vacuum cancelled after {timeout:g}s (its timeout)")
                 conn.execute(statement, prepare=False)
 
-    def release_orphans(self, conn: psycopg.Connection, *, limit: int = 1000) -> int:
+    def release_orphans(self, conn: psycopg.Connection, *, limit: int = 1000,
+                        timeout: float | None = None) -> int:
         """Free slots whose holder is gone and wake rows parked on them (the keeper, when
-        :meth:`maintain` says so). Returns the number of rows woken."""
-        row = conn.execute(self.q["job_release_orphans"], {
-            "channel": self.channel, "limit": limit}).fetchone()
+        :meth:`maintain` says so). Returns the number of rows woken. ``timeout``: seconds
+        after which the statement is cancelled (QueryCanceled)."""
+        with _bounded(conn, timeout):
+            row = conn.execute(self.q["job_release_orphans"], {
+                "channel": self.channel, "limit": limit}).fetchone()
         return int(row[0]) if row else 0
 
     def requeue(self, conn: psycopg.Connection, pairs: Sequence[Pair], *,
@@ -845,16 +858,24 @@ class QueueCore:
         conn.execute(self.q["queue_declare"], declared)
         self.declared[name] = declared
 
-    def redeclare(self, conn: psycopg.Connection, name: str) -> bool:
+    def redeclare(self, conn: psycopg.Connection, name: str, *,
+                  timeout: float | None = None) -> bool:
         """Declare again a queue this process declared (and bind it as it did), found dropped
         while it consumes it (the keeper's ``queue_missing``). False: this process never
-        declared it, nothing done."""
+        declared it, nothing done. ``timeout``: seconds after which its statements are
+        cancelled (QueryCanceled); they then run in one transaction, so a cancelled
+        redeclare leaves the queue missing (the next tick finds it so again), never declared
+        without its bindings."""
         declared = self.declared.get(name)
         if declared is None:
             return False
-        conn.execute(self.q["queue_declare"], declared)
-        for exchange, exchange_type, routing_key, pattern in sorted(self.bound.get(name, ())):
-            self.bind(conn, exchange, exchange_type, routing_key, pattern, name)
+        # the watchdog inside the transaction: its COMMIT or ROLLBACK is never cancelled
+        with conn.transaction() if timeout else contextlib.nullcontext(), \
+                _bounded(conn, timeout):
+            conn.execute(self.q["queue_declare"], declared)
+            for exchange, exchange_type, routing_key, pattern in sorted(
+                    self.bound.get(name, ())):
+                self.bind(conn, exchange, exchange_type, routing_key, pattern, name)
         return True
 
     def queue_exists(self, conn: psycopg.Connection, name: str) -> bool:

@@ -39,6 +39,7 @@ import psycopg
 from ..errors import InvalidArgument
 from ..events import log_event
 from ..options import validate_schema_name
+from .core import bounded
 from .sql import queries
 
 __all__ = ["LEGACY_OUTCOMES", "OUTCOMES", "ROLLUP_EVERY", "SORTS", "TAIL", "list_history",
@@ -97,11 +98,15 @@ def record_outcome(conn: psycopg.Connection[Any], schema: str, *, job: tuple[int
     return 0
 
 
-def rollup(conn: psycopg.Connection[Any], schema: str, who: str) -> tuple[datetime, int] | None:
+def rollup(conn: psycopg.Connection[Any], schema: str, who: str, *,
+           timeout: float | None = None) -> tuple[datetime, int] | None:
     """Take the rollup's turn if it is due and roll up the closed minutes: ``(up to, rows
-    written)``, or None when it was not due (another keeper took it)."""
-    row = conn.execute(queries(validate_schema_name(schema))["history_rollup"],
-                       {"who": who}).fetchone()
+    written)``, or None when it was not due (another keeper took it). ``timeout``: seconds
+    after which the statement is cancelled (QueryCanceled): turn and work are one statement,
+    so a cancelled rollup takes no turn and the next one does the same minutes."""
+    with bounded(conn, timeout):
+        row = conn.execute(queries(validate_schema_name(schema))["history_rollup"],
+                           {"who": who}).fetchone()
     return None if row is None else (row[0], int(row[1]))
 
 
@@ -157,9 +162,12 @@ class _Roller:
 _rollers: weakref.WeakKeyDictionary[Any, _Roller] = weakref.WeakKeyDictionary()
 
 
-def on_tick(keeper: Any, conn: psycopg.Connection[Any]) -> None:
+def on_tick(keeper: Any, conn: psycopg.Connection[Any], *,
+            timeout: float | None = None) -> None:
     """The keeper's call, once per tick: the rollup's turn, at most once a minute, and only in
-    the minutes after this process settled something."""
+    the minutes after this process settled something. ``timeout``: the keeper's bound on its
+    statements (half a lease); a rollup cancelled by it raises (the keeper logs it) and is
+    tried again a minute later."""
     backend = keeper.backend
     options: Mapping[str, Any] | Any = backend.options
     if not options.history:
@@ -175,7 +183,7 @@ def on_tick(keeper: Any, conn: psycopg.Connection[Any]) -> None:
         return
     roller.next = now + ROLLUP_EVERY
     try:
-        done = rollup(conn, options.schema, backend.worker)
+        done = rollup(conn, options.schema, backend.worker, timeout=timeout)
     except (psycopg.errors.UndefinedTable, psycopg.errors.InsufficientPrivilege) as exc:
         roller.off = True  # a schema before version 25, or roles not applied again: said once
         log_event("pgjobs.history.rollup_failed", error=str(exc).splitlines()[0])

@@ -38,6 +38,7 @@ import psycopg
 
 from ..events import log_event
 from ..options import TransportOptions, validate_schema_name
+from .core import bounded
 from .sql import queries
 
 __all__ = ["KINDS", "RETENTION_VERSION", "on_tick", "plan", "sweep", "take_turn", "windows"]
@@ -68,10 +69,12 @@ def windows(options: TransportOptions) -> dict[str, float | None]:
 
 
 def take_turn(conn: psycopg.Connection[Any], schema: str, interval: float,
-              who: str) -> bool:
-    """Whether this process sweeps now: one statement (see the module's docstring)."""
-    row = conn.execute(queries(validate_schema_name(schema))["retention_turn"],
-                       {"interval": float(interval), "who": who}).fetchone()
+              who: str, *, timeout: float | None = None) -> bool:
+    """Whether this process sweeps now: one statement (see the module's docstring).
+    ``timeout``: seconds after which it is cancelled (QueryCanceled): no turn taken."""
+    with bounded(conn, timeout):
+        row = conn.execute(queries(validate_schema_name(schema))["retention_turn"],
+                           {"interval": float(interval), "who": who}).fetchone()
     return row is not None
 
 
@@ -193,14 +196,15 @@ class _Sweeper:
         self.off = False
         self.who = f"{socket.gethostname()}:{os.getpid()}"
 
-    def tick(self, keeper: Any, conn: psycopg.Connection[Any]) -> None:
+    def tick(self, keeper: Any, conn: psycopg.Connection[Any], *,
+             timeout: float | None = None) -> None:
         now = time.monotonic()
         if self.off or now < self.due or (self.thread is not None and self.thread.is_alive()):
             return
         self.due = now + self.options.retention_interval
         try:
             won = take_turn(conn, self.options.schema, self.options.retention_interval,
-                            self.who)
+                            self.who, timeout=timeout)
         except (psycopg.errors.UndefinedTable, psycopg.errors.InsufficientPrivilege) as exc:
             # a schema before version 24 (auto_migrate off), or roles not applied again
             # after the migration: no sweep from this process, said once
@@ -233,8 +237,12 @@ class _Sweeper:
 _sweepers: weakref.WeakKeyDictionary[Any, _Sweeper] = weakref.WeakKeyDictionary()
 
 
-def on_tick(keeper: Any, conn: psycopg.Connection[Any]) -> None:
-    """The keeper's call, once per tick: the sweep's turn when due (see the module)."""
+def on_tick(keeper: Any, conn: psycopg.Connection[Any], *,
+            timeout: float | None = None) -> None:
+    """The keeper's call, once per tick: the sweep's turn when due (see the module).
+    ``timeout``: the keeper's bound on the turn's statement (half a lease; cancelled, it
+    raises and no turn is taken: the next interval again); the sweep runs on its own thread
+    and connection, under its own deadline."""
     options: TransportOptions = keeper.backend.options
     if not options.retention:
         return
@@ -242,4 +250,4 @@ def on_tick(keeper: Any, conn: psycopg.Connection[Any]) -> None:
     if sweeper is None:
         _sweepers[keeper] = _Sweeper(options)  # the first tick starts the clock
         return
-    sweeper.tick(keeper, conn)
+    sweeper.tick(keeper, conn, timeout=timeout)
