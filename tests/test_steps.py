@@ -177,9 +177,24 @@ def test_a_retry_replays_the_steps_before_the_one_that_failed(db, stepped, schem
 @pytest.mark.exclusive  # a bound of a second on 200 wake-ups: not while other tests load the box
 def test_two_hundred_sleepers_hold_no_slot_and_wake_on_time(db, stepped, schema, start_worker):
     """200 tasks sleep 12-14 s on a prefork -c 2 worker: once they are all parked, 200 other
-    tasks run at once (no slot is held, nothing is prefetched), and every sleeper resumes
-    within a second of its due time (both read on the database's clock)."""
+    tasks run at full speed (no slot is held, nothing is prefetched): at most twice as long
+    (plus a second, for a loaded machine) as the same 200 took on the same worker before any
+    sleeper was published; and every sleeper resumes within a second of its due time (both
+    read on the database's clock)."""
     start_worker(name="n1", app=APP, pool="prefork", concurrency=2)
+
+    def quick_batch(label: str) -> float:
+        started = time.monotonic()
+        for i in range(200):
+            stepped.record.delay(f"{label}{i}")
+        wait_for(lambda: count(db, f'SELECT count(*) FROM "{schema}".pgjobs_test_run '
+                                   "WHERE label LIKE %s", f"{label}%") == 200, 60,
+                 interval=0.05, what=f"200 {label} tasks to run")
+        return time.monotonic() - started
+
+    stepped.record.delay("warm")  # the pool's children up and connected
+    wait_for(lambda: done(db, schema, "warm") == 1, 30, what="the warm-up task")
+    baseline = quick_batch("base")
     sleepers = [stepped.nap.delay(f"nap{i}", 12 + (i % 100) * 0.02) for i in range(200)]
     parked = f'SELECT count(*) FROM "{schema}".pgjobs_step WHERE state = \'sleeping\''
     wait_for(lambda: count(db, parked) == 200, 60, interval=0.1, what="200 sleepers parked")
@@ -187,15 +202,11 @@ def test_two_hundred_sleepers_hold_no_slot_and_wake_on_time(db, stepped, schema,
     assert db.execute(f'SELECT state, delayed, max(attempts), count(*) FROM "{schema}".'
                       "pgjobs_job GROUP BY 1, 2").fetchall() == [("ready", True, 0, 200)]
     first_due = count(db, f'SELECT min(due_at) - now() FROM "{schema}".pgjobs_step')
-    started = time.monotonic()
-    for i in range(200):
-        stepped.record.delay(f"quick{i}")
-    wait_for(lambda: count(db, f'SELECT count(*) FROM "{schema}".pgjobs_test_run '
-                               "WHERE label LIKE 'quick%%'") == 200, 30, interval=0.05,
-             what="200 other tasks to run")
-    took = time.monotonic() - started
+    took = quick_batch("quick")
     assert took < first_due.total_seconds(), \
         f"other tasks took {took:.1f}s: the sleepers should hold nothing"
+    assert took <= 2 * baseline + 1.0, \
+        f"200 quick tasks took {took:.2f}s among the sleepers, {baseline:.2f}s before them"
     wait_for(lambda: count(db, f'SELECT count(*) FROM "{schema}".pgjobs_test_woke') == 200,
              60, what="200 sleepers to wake")
     lateness = db.execute(
@@ -380,51 +391,100 @@ def test_the_worked_example_of_docs_steps_runs(db, stepped, schema, dsn, start_w
 
 
 # -- cost ----------------------------------------------------------------------------------------
-def test_a_task_without_steps_pays_nothing_and_a_step_one_statement(
-        db, stepped, schema, start_worker, dsn):
-    """Every statement of a solo worker counted at the wire: a task that never calls steps.of,
-    or calls it and uses no step, sends no step statement; a three-step task sends four (its
-    one read of the stored steps, then one fenced write per step); the same three steps
-    replayed (another message of the task id) send one, the read."""
-    from .wirecount import WireCounter
+def test_a_task_without_steps_pays_nothing_and_each_step_one_statement_plus_one_read_per_run(
+        db, schema, start_worker, dsn):
+    """Every statement of a solo worker counted at the wire, with bench/steps.py's app and its
+    count (each statement of sql/steps.sql recognised by its whole text). Tasks run one at a
+    time, the next published once the last is acked, so every kind claims, takes and acks
+    alike. Per kind of n tasks:
 
-    def _is_step(text: str) -> bool:  # a statement of sql/steps.sql, as bench/steps.py counts
-        return text.startswith(("WITH fence AS MATERIALIZED", "WITH held AS MATERIALIZED")) \
-            or "l.class = 'event'" in text
+    * no steps, and of() with no step: no step statement, and exactly the other statements of
+      a plain task;
+    * 1 step: two step statements a task (the one read per run of what earlier runs stored,
+      then its fenced write); 3 steps: four (each step adds one); the same three steps
+      replayed (another message of the same task ids): one, the read;
+    * every kind sends the plain task's other statements besides its step ones, and as often.
 
+    "Other statements" are those sent at least n/2 times in the batch (claim, hand-off, ack:
+    at least once a task); the keeper's periodic ones (lease renewal, fleet tick, roll-up,
+    every lease_ttl/3 = 10 s) come a few times a batch and are left out. "As often": within
+    n/2 of the plain batch's count, since the consumer's own polls when idle add a few claims
+    a batch (time, not tasks); one statement more per task would add n."""
+    import re
+
+    from celery import Celery
+
+    from bench import steps as bench
+    from kombu_pgjobs.store.schema import migrate
+    from kombu_pgjobs.store.sql import queries
+
+    from .wirecount import WireCounter, wire_text
+
+    migrate(db, schema)
+    bench.create_done_table(db, schema)
+    def norm(text: str) -> str:  # whitespace collapsed, a LIMIT's literal as n (the claim
+        return re.sub(r"LIMIT \d+", "LIMIT n", " ".join(text.split()))  # is composed per batch)
+
+    step_texts = {norm(wire_text(queries(schema)[name].as_string(None)))
+                  for name in bench.STEP_STATEMENTS}
     info = psycopg.conninfo.conninfo_to_dict(dsn)
-    with WireCounter(info.get("host", "127.0.0.1"), int(info.get("port", 5432))) as wire:
-        proxied = (f"pgjobs://{info.get('user', 'postgres')}@127.0.0.1:{wire.port}/"
-                   f"{info.get('dbname', 'test')}")
-        start_worker(name="cost", app=APP, pool="solo", concurrency=1,
-                     env={"PGJOBS_TEST_BROKER": proxied})
+    host, port = info.get("host", "127.0.0.1"), int(info.get("port", 5432))
+    user, dbname = info.get("user", "postgres"), info.get("dbname", "test")
+    publisher = Celery("cost", broker=f"pgjobs://{user}@{host}:{port}/{dbname}")
+    publisher.conf.broker_transport_options = {"schema": schema}
+    jobs = f'SELECT count(*) FROM "{schema}".pgjobs_job'
 
-        def steps_sent() -> int:
-            with wire.lock:
-                return sum(v for k, v in wire.by_text.items() if _is_step(k))
+    def sent(wire: WireCounter) -> dict[str, int]:
+        """Statements executed so far, by whole text (:func:`norm`)."""
+        with wire.lock:
+            raw = list(wire.by_query.items())
+        out: dict[str, int] = {}
+        for text, k in raw:
+            out[norm(text)] = out.get(norm(text), 0) + k
+        return out
 
-        def measure(label: str, publish: Any, n: int = 20) -> int:
-            before = steps_sent()
-            for i in range(n):
-                publish(f"{label}{i}")
-            wait_for(lambda: count(db, f'SELECT count(*) FROM "{schema}".pgjobs_test_run '
-                                       "WHERE label LIKE %s", f"{label}%") == n, 60,
-                     interval=0.05, what=label)
-            return steps_sent() - before
+    with WireCounter(host, port) as wire:
+        start_worker(name="cost", app="bench.steps", pool="solo", concurrency=1, ready=False,
+                     env={"BENCH_STEPS_BROKER": f"pgjobs://{user}@127.0.0.1:{wire.port}/"
+                                                f"{dbname}",
+                          "BENCH_STEPS_SCHEMA": schema, "BENCH_PG_URL": dsn})
 
-        assert measure("plain", stepped.record.delay) == 0
-        assert measure("unused", stepped.unused.delay) == 0
-        ids = [f"cost-{i}" for i in range(20)]
-        assert measure("three", lambda label: stepped.three.apply_async(
-            (label,), task_id=ids[int(label[5:])])) == 20 * 4
-        before = steps_sent()
-        for i in range(20):  # the same task ids again: every step replayed
-            stepped.three.apply_async((f"again{i}",), task_id=ids[i])
-        wait_for(lambda: count(db, f'SELECT count(*) FROM "{schema}".pgjobs_test_start '
-                                   "WHERE label LIKE 'again%%'") == 20, 60, interval=0.05,
-                 what="the replays")  # only the gap, outside any step, records
+        def one_by_one(tasks: list[tuple[str, tuple[Any, ...], str | None]]) -> None:
+            for name, args, task_id in tasks:
+                target = bench.done_count(db, schema) + 1
+                publisher.send_task(name, args, task_id=task_id)
+                wait_for(lambda t=target: bench.done_count(db, schema) >= t
+                         and count(db, jobs) == 0, 60, interval=0.02,
+                         what=f"{name} to run and be acked")
+
+        one_by_one([("bench_steps.plain", (), None)] * 3)  # warm: connected, prepared
         time.sleep(0.5)
-        assert steps_sent() - before == 20
+        n = 30
+        ids = [f"cost-{i}" for i in range(n)]
+        kinds = {"plain": [("bench_steps.plain", (), None)] * n,
+                 "of() only": [("bench_steps.unused", (), None)] * n,
+                 "1 step": [("bench_steps.steps", (1,), None)] * n,
+                 "3 steps": [("bench_steps.steps", (3,), t) for t in ids],
+                 "3 steps, replayed": [("bench_steps.steps", (3,), t) for t in ids]}
+        steps: dict[str, dict[str, int]] = {}
+        others: dict[str, dict[str, int]] = {}
+        for label, tasks in kinds.items():
+            before, counted = sent(wire), bench.step_counts(wire, schema)
+            one_by_one(tasks)
+            time.sleep(0.3)  # nothing is left to send: the last ack was seen
+            after, now = sent(wire), bench.step_counts(wire, schema)
+            steps[label] = {k: now[k] - counted[k] for k in now if now[k] != counted[k]}
+            others[label] = {k: v - before.get(k, 0) for k, v in after.items()
+                             if k not in step_texts and v - before.get(k, 0) >= n / 2}
+    assert steps == {"plain": {}, "of() only": {}, "1 step": {"load": n, "save": n},
+                     "3 steps": {"load": n, "save": 3 * n},
+                     "3 steps, replayed": {"load": n}}, steps
+    short = {label: {k[:40]: v for k, v in o.items()} for label, o in others.items()}
+    for label in kinds:  # the same statements as a plain task, as often but for the noise
+        assert others[label].keys() == others["plain"].keys(), f"{label}: {short}"
+        for text, times in others[label].items():
+            assert times >= n and abs(times - others["plain"][text]) < n / 2, \
+                f"{label}: {short}"
 
 
 # -- roles ---------------------------------------------------------------------------------------

@@ -101,11 +101,15 @@ def test_an_exception_is_recorded_and_raised_and_the_next_run_runs_it_again(core
     assert stored(db, schema, d.task_id)["call"] == ("done", 2, '"up"')
 
 
-def test_names_are_the_replay_key(core, db, backend):
-    steps, _ = run_of(core, db, backend)
+def test_names_are_the_replay_key(core, db, backend, schema):
+    steps, d = run_of(core, db, backend)
     steps.run("a", lambda: 1)
-    with pytest.raises(DuplicateStep):
-        steps.run("a", lambda: 2)
+    ran: list[int] = []
+    with pytest.raises(DuplicateStep) as duplicate:
+        steps.run("a", lambda: ran.append(2) or 2)
+    assert duplicate.value.code == "PGJ-902"
+    assert ran == []  # never run, never an overwrite: the stored value is the first one
+    assert stored(db, schema, d.task_id) == {"a": ("done", 1, "1")}
     with pytest.raises(StepMismatch):
         steps._used.discard("a")
         steps.sleep("a", 5)
@@ -450,3 +454,97 @@ def test_a_parked_message_frees_its_concurrency_slot(core, db, backend, schema):
     assert verdict == "parked"
     second = core.claim(db, ["q"], 10).claimed
     assert [c.id for c in second] == [first[0].id + 1]
+
+
+def _cli_json(capsys: Any, url: str, schema: str, *argv: str) -> tuple[int, Any]:
+    from kombu_pgjobs.ops.cli.main import main as cli
+
+    capsys.readouterr()
+    code = cli([*argv, "--dsn", url, "--schema", schema, "--json"])
+    out = capsys.readouterr()
+    text = out.out.strip()
+    return code, (json.loads(text) if text else None), out.out + out.err
+
+
+def test_dead_requeue_from_step_drops_that_step_and_the_later_ones(core, db, backend, schema,
+                                                                   url, capsys):
+    """`pgjobs dead requeue ID --from-step b`: the dead letter's task loses steps b and c (read
+    back from Postgres), the message is back in its queue, ready; --all is refused with it."""
+    steps, d = run_of(core, db, backend)
+    for name in ("a", "b", "c"):
+        steps.run(name, lambda name=name: name)
+    core.bury(db, [(d.job_id, d.claim)], reason="rejected")
+    assert db.execute(f'SELECT count(*) FROM "{schema}".pgjobs_dead_letter WHERE id = %s',
+                      (d.job_id,)).fetchone() == (1,)
+    code, out, _ = _cli_json(capsys, url, schema, "dead", "requeue", str(d.job_id),
+                             "--from-step", "b")
+    assert code == 0, out
+    assert out["dropped"] == {str(d.job_id): ["b", "c"]}
+    assert stored(db, schema, d.task_id) == {"a": ("done", 1, '"a"')}
+    assert db.execute(f'SELECT state, run_at <= now() FROM "{schema}".pgjobs_job WHERE '
+                      "message -> 'headers' ->> 'id' = %s", (d.task_id,)).fetchone() == \
+        ("ready", True)
+    assert db.execute(f'SELECT count(*) FROM "{schema}".pgjobs_dead_letter').fetchone() == (0,)
+    code, _, text = _cli_json(capsys, url, schema, "dead", "requeue", "--all",
+                              "--from-step", "a")
+    assert code == 2 and "--from-step takes dead-letter ids" in text, text
+    assert stored(db, schema, d.task_id) == {"a": ("done", 1, '"a"')}
+
+
+def test_requeue_from_step_of_a_running_message_is_refused(core, db, backend, schema, url,
+                                                           capsys):
+    """A claimed (running) message: `requeue ID --from-step a` exits 2 with PGJ-406 and
+    changes nothing: its steps, read back from Postgres, and the message still running."""
+    steps, d = run_of(core, db, backend)
+    steps.run("a", lambda: 1)
+    steps.run("b", lambda: 2)
+    before = stored(db, schema, d.task_id)
+    code, out, text = _cli_json(capsys, url, schema, "requeue", str(d.job_id),
+                                "--from-step", "a")
+    assert code == 2, text
+    assert out["error"]["code"] == "PGJ-406" and "PGJ-406" in text, text
+    assert stored(db, schema, d.task_id) == before == {"a": ("done", 1, "1"),
+                                                       "b": ("done", 1, "2")}
+    assert db.execute(f'SELECT state, claim FROM "{schema}".pgjobs_job WHERE id = %s',
+                      (d.job_id,)).fetchone() == ("running", d.claim)
+
+
+def test_prune_deletes_at_most_limit_steps(core, db, backend, schema):
+    """--limit bounds the steps deleted per call, whatever the batch: seven gone tasks of one
+    step and three of two; a task's steps go together, so a task that does not fit in what is
+    left of the limit is left whole for the next call. Events keep their own limit."""
+    sql = f'"{schema}"'
+    for n in [1] * 7 + [2] * 3:
+        steps, d = run_of(core, db, backend)
+        for i in range(n):
+            steps.run(f"s{i}", lambda: 1)
+        core.ack(db, [(d.job_id, d.claim)])
+    for i in range(5):
+        db.execute(f"INSERT INTO {sql}.pgjobs_event (name, key, emitted_at) "
+                   "VALUES ('x', %s, now() - interval '2 days')", (str(i),))
+    # the one-step tasks first in the prune's order (updated_at, task_id, name)
+    db.execute(f"UPDATE {sql}.pgjobs_step AS s SET updated_at = now() - interval '2 days' "
+               f"- CASE WHEN (SELECT count(*) FROM {sql}.pgjobs_step AS o "
+               "WHERE o.task_id = s.task_id) = 1 THEN interval '1 hour' ELSE interval '0' END")
+    cutoff = db.execute("SELECT now() - interval '1 day'").fetchone()[0]
+    total = 13
+
+    def left() -> int:
+        return int(db.execute(f"SELECT count(*) FROM {sql}.pgjobs_step").fetchone()[0])
+
+    got = db_steps.prune(db, schema, cutoff, limit=5, batch=2)  # batches of 2 would pass 5
+    assert got["steps"] == {"matched": total, "deleted": 5, "remaining": total - 5}
+    assert got["events"] == {"matched": 5, "deleted": 5, "remaining": 0}
+    assert left() == total - 5
+    # two one-step tasks left, then two-step ones: a limit of 3 takes the two and stops short
+    # of a two-step task (it would make 4)
+    got = db_steps.prune(db, schema, cutoff, limit=3, batch=1000)
+    assert got["steps"] == {"matched": total - 5, "deleted": 2, "remaining": total - 7}
+    assert left() == total - 7
+    got = db_steps.prune(db, schema, cutoff, limit=4, batch=3)
+    assert got["steps"] == {"matched": 6, "deleted": 4, "remaining": 2}
+    got = db_steps.prune(db, schema, cutoff, limit=1, batch=3)  # a two-step task: not 1
+    assert got["steps"] == {"matched": 2, "deleted": 0, "remaining": 2}
+    got = db_steps.prune(db, schema, cutoff, limit=100, batch=1)
+    assert got["steps"] == {"matched": 2, "deleted": 2, "remaining": 0}
+    assert left() == 0

@@ -3,16 +3,39 @@
 It relays bytes both ways and counts the statements a client sends (simple-protocol 'Q' and
 extended-protocol 'E' messages), so a test can state exactly how many statements a worker sent,
 independent of other databases' traffic, autovacuum or statistics flush delays.
+
+``by_text`` keys a statement by its first 60 characters (whitespace collapsed); ``by_query``
+keeps the whole text as sent, and :meth:`WireCounter.executed` counts the executions of one
+statement given as the application writes it (``%(name)s`` placeholders, as in
+kombu_pgjobs/store/sql/*.sql), whatever it starts with.
 """
 
 from __future__ import annotations
 
+import re
 import socket
 import struct
 import threading
 from typing import Any
 
 _UNTYPED_REQUESTS = {80877103, 80877104}  # SSLRequest, GSSENCRequest
+#: distinct full texts kept in ``by_query`` (statements with literals in them could grow it)
+_MAX_QUERIES = 10_000
+_PLACEHOLDER = re.compile(r"%(?:\((\w+)\)s|%)")
+
+
+def wire_text(query: str) -> str:
+    """``query`` (psycopg's ``%(name)s`` placeholders) as psycopg sends it: each name numbered
+    ``$1``, ``$2``... in the order of its first appearance, ``%%`` as ``%``; whitespace
+    collapsed."""
+    seen: dict[str, int] = {}
+
+    def number(found: re.Match[str]) -> str:
+        if found.group(1) is None:
+            return "%"
+        return f"${seen.setdefault(found.group(1), len(seen) + 1)}"
+
+    return " ".join(_PLACEHOLDER.sub(number, query).split())
 
 
 class WireCounter:
@@ -23,6 +46,9 @@ class WireCounter:
         self.statements = 0
         #: statement text (first line of the parsed query, or simple query) -> executions
         self.by_text: dict[str, int] = {}
+        #: statement text, whole and as sent (``$1`` placeholders) -> executions
+        self.by_query: dict[str, int] = {}
+        self._collapsed: dict[str, str] = {}  # by_query's texts, whitespace collapsed
         self.lock = threading.Lock()
         self._closing = False
         self._socks: list[socket.socket] = []
@@ -56,7 +82,7 @@ class WireCounter:
     def _client_to_server(self, src: socket.socket, dst: socket.socket) -> None:
         # prepared statements and portals are the session's own: an Execute on one connection
         # must not be read as the statement another connection bound last
-        names: dict[bytes, str] = {}
+        names: dict[bytes, tuple[str, str]] = {}
         portals: dict[bytes, bytes] = {}
         try:
             while True:  # untyped start-up phase
@@ -79,13 +105,15 @@ class WireCounter:
         finally:
             self._close(src, dst)
 
-    def _note(self, kind: bytes, body: bytes, names: dict[bytes, str],
+    def _note(self, kind: bytes, body: bytes, names: dict[bytes, tuple[str, str]],
               portals: dict[bytes, bytes]) -> None:
         """Count Q and E messages; keep P (statement text) and B (portal -> statement)."""
         with self.lock:
             if kind == b"P":
                 name, _, rest = body.partition(b"\0")
-                names[name] = rest.split(b"\0", 1)[0][:80].decode("utf-8", "replace")
+                query = rest.split(b"\0", 1)[0]
+                names[name] = (query[:80].decode("utf-8", "replace"),
+                               query.decode("utf-8", "replace"))
                 return
             if kind == b"B":
                 portal, _, rest = body.partition(b"\0")
@@ -94,11 +122,29 @@ class WireCounter:
             self.statements += 1
             if kind == b"Q":
                 text = body[:80].decode("utf-8", "replace")
+                query = body.split(b"\0", 1)[0].decode("utf-8", "replace")
             else:
                 portal = body.partition(b"\0")[0]
-                text = names.get(portals.get(portal, b""), "?")
+                text, query = names.get(portals.get(portal, b""), ("?", "?"))
             key = " ".join(text.split())[:60]
             self.by_text[key] = self.by_text.get(key, 0) + 1
+            if query in self.by_query or len(self.by_query) < _MAX_QUERIES:
+                self.by_query[query] = self.by_query.get(query, 0) + 1
+
+    def executed(self, query: str) -> int:
+        """How often the statement ``query`` was executed: its text as the application passes
+        it to psycopg (``%(name)s`` placeholders), matched whole, whitespace aside."""
+        wanted = wire_text(query)
+        with self.lock:
+            sent = list(self.by_query.items())
+        total = 0
+        for text, n in sent:
+            collapsed = self._collapsed.get(text)
+            if collapsed is None:
+                collapsed = self._collapsed[text] = " ".join(text.split())
+            if collapsed == wanted:
+                total += n
+        return total
 
     def _relay(self, src: socket.socket, dst: socket.socket) -> None:
         try:

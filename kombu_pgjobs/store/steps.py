@@ -285,7 +285,8 @@ def prune(conn: psycopg.Connection[Any], schema: str, cutoff: datetime, *, limit
           batch: int, dry_run: bool = False) -> dict[str, Any]:
     """Retention of steps and events, in bounded batches (each its own transaction): the steps
     of tasks whose message is gone and that were not written since ``cutoff``; events emitted
-    before ``cutoff`` that no parked waiter has still to read. ``dry_run`` counts exactly."""
+    before ``cutoff`` that no parked waiter has still to read. At most ``limit`` of each are
+    deleted (a task's steps all or none). ``dry_run`` counts exactly."""
     row = conn.execute("SELECT to_regclass(%s) IS NOT NULL",
                        (f'"{schema}".pgjobs_step',)).fetchone()
     if not row or not row[0]:  # a schema before version 23: nothing to prune
@@ -298,12 +299,27 @@ def prune(conn: psycopg.Connection[Any], schema: str, cutoff: datetime, *, limit
     if not dry_run:
         after: tuple[Any, str, str] = ("-infinity", "", "")
         while steps_deleted < limit:
-            with conn.transaction():
-                read, deleted, at, task, step = conn.execute(q["step_prune"], {
-                    "cutoff": cutoff, "limit": batch, "after_at": after[0],
-                    "after_task": after[1], "after_name": after[2]}).fetchone()
+            # a batch reads at most what the limit has room for; a gone task's steps go
+            # together, so a batch may delete more rows than it read: past the limit it is
+            # undone and read again smaller, down to one row (whose task then does not fit)
+            room = limit - steps_deleted
+            scan = min(batch, room)
+            while True:
+                undone = False
+                with conn.transaction():
+                    read, deleted, at, task, step = conn.execute(q["step_prune"], {
+                        "cutoff": cutoff, "limit": scan, "after_at": after[0],
+                        "after_task": after[1], "after_name": after[2]}).fetchone()
+                    if int(deleted) > room:
+                        undone = True
+                        raise psycopg.Rollback
+                if not undone or scan == 1:
+                    break
+                scan = max(1, scan // 2)
+            if undone:
+                break
             steps_deleted += int(deleted)
-            if int(read) < batch:
+            if int(read) < scan:
                 break
             after = (at, task, step)
         while events_deleted < limit:
