@@ -23,6 +23,7 @@ from typing import Any
 import psycopg
 import pytest
 
+import kombu_pgjobs
 from kombu_pgjobs.broker.backend import release_all
 from kombu_pgjobs.store import embedded
 
@@ -144,12 +145,16 @@ def test_warm_shutdown_hands_prefetched_back_when_the_running_task_ends(
     ready and uncounted, when it ends."""
     schema = recorder_tables
     rec = import_app(RECORDER, schema, url)
-    rec.sleep_record.delay("long", 5.0)
+    rec.sleep_record.delay("long", 8.0)
     w = start_worker(name="warm", concurrency=1)
     wait_for(lambda: db.execute(f'SELECT count(*) FROM "{schema}".pgjobs_test_start')
              .fetchone()[0] == 1, 20, what="the long task to start")
-    for i in range(3):
-        rec.record.delay(f"waiting{i}")
+    # One INSERT for the three: published one by one, the first wake-ups could claim one or
+    # two while the rest landed after the window's refill mark (half of 4 free), and stay
+    # unclaimed behind the long task (seen under load).
+    with kombu_pgjobs.batch():
+        for i in range(3):
+            rec.record.delay(f"waiting{i}")
     wait_for(lambda: db.execute(f"SELECT count(*) FROM \"{schema}\".pgjobs_job "
                                 "WHERE state = 'running'").fetchone()[0] == 4, 20,
              what="the three to be prefetched behind the long task")
