@@ -158,7 +158,8 @@ OPTIONS: tuple[Option, ...] = (
            "connection as a startup parameter (libpq options)."),
     Option("statement_timeout", 60.0, float, 0.0, 86400.0,
            "Seconds any statement may run before it fails with DatabaseTimeout (PGJ-108). "
-           "0: no limit. Migrations lift it; the keeper's vacuum has its own, shorter one."),
+           "0: no limit. Migrations lift it; the keeper cancels each of its statements after "
+           "half a lease, and its vacuum has its own, shorter bound."),
     Option("max_message_bytes", DEFAULT_MAX_MESSAGE_BYTES, int, 1024, 512 * 1024 * 1024,
            "Largest message a publish accepts, in bytes of its stored JSON (body, headers and "
            "properties; the outbox: body, headers and properties as staged). A larger one is "

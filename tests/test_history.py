@@ -13,6 +13,7 @@ import multiprocessing
 import time
 import uuid
 from collections import Counter
+from datetime import timedelta
 from typing import Any
 
 import psycopg
@@ -191,6 +192,31 @@ def test_rollups_agree_with_the_history_they_were_made_from(db, schema):
         "WHERE outcome = 'completed' ORDER BY job_id LIMIT 1").fetchone()
     assert history.record_outcome(db, schema, job=(job_id, claim), outcome="failed",
                                   queue="q", shard="x", task=task, elapsed=600.0) == 1
+    assert _rollups(db, schema) == _rolled_from_history(db, schema)
+
+
+def test_a_rollup_behind_by_hours_catches_up_an_hour_a_turn(db, schema):
+    """After a long stall the rollup takes at most an hour of minutes a turn (each turn stays
+    well inside the keeper's bound of half a lease) and says it is behind, until the rollups
+    equal the history again."""
+    migrate(db, schema)
+    _settle_some(db, schema, 300)
+    db.execute(f'UPDATE "{schema}".pgjobs_history SET settled_at = now() - '
+               "make_interval(mins => 2 + (job_id % 170)::int)")
+    db.execute(f"UPDATE \"{schema}\".pgjobs_rollup SET upto = "
+               "date_trunc('minute', now()) - interval '4 hours'")
+    start = db.execute(f'SELECT upto FROM "{schema}".pgjobs_rollup').fetchone()[0]
+    turns = []
+    while True:
+        done = history.rollup(db, schema, "test")
+        assert done is not None
+        turns.append(done)
+        if not done[2]:
+            break
+        assert len(turns) < 10
+    assert [t[0] - start for t in turns[:-1]] == [
+        timedelta(hours=n) for n in range(1, len(turns))]
+    assert len(turns) == 4 and turns[-1][0] - turns[-2][0] <= timedelta(hours=1)
     assert _rollups(db, schema) == _rolled_from_history(db, schema)
 
 

@@ -99,15 +99,17 @@ def record_outcome(conn: psycopg.Connection[Any], schema: str, *, job: tuple[int
 
 
 def rollup(conn: psycopg.Connection[Any], schema: str, who: str, *,
-           timeout: float | None = None) -> tuple[datetime, int] | None:
-    """Take the rollup's turn if it is due and roll up the closed minutes: ``(up to, rows
-    written)``, or None when it was not due (another keeper took it). ``timeout``: seconds
-    after which the statement is cancelled (QueryCanceled): turn and work are one statement,
-    so a cancelled rollup takes no turn and the next one does the same minutes."""
+           timeout: float | None = None) -> tuple[datetime, int, bool] | None:
+    """Take the rollup's turn if it is due and roll up the closed minutes, an hour of them at
+    most: ``(up to, rows written, behind)`` — behind when closed minutes remain (a keeper back
+    from a long stall: the next turn goes on at once) —, or None when it was not due (another
+    keeper took it). ``timeout``: seconds after which the statement is cancelled
+    (QueryCanceled): turn and work are one statement, so a cancelled rollup takes no turn and
+    the next one does the same minutes."""
     with bounded(conn, timeout):
         row = conn.execute(queries(validate_schema_name(schema))["history_rollup"],
                            {"who": who}).fetchone()
-    return None if row is None else (row[0], int(row[1]))
+    return None if row is None else (row[0], int(row[1]), bool(row[2]))
 
 
 def list_history(conn: psycopg.Connection[Any], schema: str, *, task: str | None = None,
@@ -188,6 +190,8 @@ def on_tick(keeper: Any, conn: psycopg.Connection[Any], *,
         roller.off = True  # a schema before version 25, or roles not applied again: said once
         log_event("pgjobs.history.rollup_failed", error=str(exc).splitlines()[0])
         return
+    if done is not None and done[2]:
+        roller.next = now  # an hour a turn: the next tick goes on with the next hour
     if done is not None and done[1]:
         log_event("pgjobs.history.rolled_up", logging.DEBUG, upto=done[0].isoformat(),
                   rows=done[1])

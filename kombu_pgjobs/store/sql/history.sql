@@ -62,23 +62,25 @@ SELECT (SELECT count(*) FROM held) + (SELECT count(*) FROM amended);
 -- The rollup's turn and work, in one statement (a keeper's, at most once a minute): when the
 -- last closed minute but one is past the watermark, take the turn (the one row's lock: a
 -- second keeper waits, then finds it taken) and roll up the history of the minutes from the
--- watermark (at most a day back) to that minute: per task and minute, the count of each
--- outcome and the runtime p50/p95/max. A minute is rolled up once it has been closed for a
--- minute (a settle's statement commits within it). Returns (minutes rolled up to, rows
--- written), or no row when it was not this keeper's turn.
+-- watermark (at most a day back) to that minute, an hour of them at most (a keeper back from
+-- a long stall catches up an hour a turn, each turn well inside the keeper's bound of half a
+-- lease): per task and minute, the count of each outcome and the runtime p50/p95/max. A
+-- minute is rolled up once it has been closed for a minute (a settle's statement commits
+-- within it). Returns (minutes rolled up to, rows written, whether closed minutes remain),
+-- or no row when it was not this keeper's turn.
 WITH target AS MATERIALIZED (
     SELECT date_trunc('minute', now() - interval '1 minute') AS upto
 ), old AS MATERIALIZED (
-    SELECT r.upto AS since
+    SELECT greatest(r.upto, t.upto - interval '1 day') AS since, t.upto AS target
       FROM {schema}.pgjobs_rollup AS r, target AS t
      WHERE r.id = 1 AND r.upto < t.upto
        FOR UPDATE OF r
 ), turn AS (
     UPDATE {schema}.pgjobs_rollup AS r
-       SET upto = t.upto, rolled_by = %(who)s
-      FROM target AS t, old AS o
+       SET upto = least(o.target, o.since + interval '1 hour'), rolled_by = %(who)s
+      FROM old AS o
      WHERE r.id = 1
-    RETURNING greatest(o.since, t.upto - interval '1 day') AS since, t.upto
+    RETURNING o.since, r.upto, r.upto < o.target AS behind
 ), rolled AS (
     INSERT INTO {schema}.pgjobs_task_minute AS m
            (task, minute, completed, failed, dropped, cancelled, requeued,
@@ -103,7 +105,7 @@ WITH target AS MATERIALIZED (
            runtime_p95 = excluded.runtime_p95, runtime_max = excluded.runtime_max
     RETURNING 1
 )
-SELECT t.upto, (SELECT count(*) FROM rolled) FROM turn AS t;
+SELECT t.upto, (SELECT count(*) FROM rolled), t.behind FROM turn AS t;
 
 -- name: history_list :many
 -- `pgjobs history`: settled deliveries, newest first, at most %(limit)s, of a task, an
