@@ -37,9 +37,16 @@ def _supports_variants(tree: Path, bench: str) -> bool:
 
 
 def _drop(schemas: list[str]) -> None:
-    with psycopg.connect(pg_dsn("bench"), autocommit=True) as conn:
-        for name in schemas:
-            conn.execute(f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
+    """Drop both sides' schemas in every bench database (``bench``; ``bench_stages``, where
+    bench.stages runs its brokers, when it exists)."""
+    for database in ("bench", "bench_stages"):
+        try:
+            conn = psycopg.connect(pg_dsn(database), autocommit=True)
+        except psycopg.OperationalError:
+            continue  # not made yet: nothing of ours in it
+        with conn:
+            for name in schemas:
+                conn.execute(f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
 
 
 def main() -> None:
