@@ -656,8 +656,7 @@ class Backend:
         them, for the next flush."""
         acks = self.take_acks()
         if acks:
-            words = self.core._hints  # the statement takes the words it sends (claim_statement)
-            noted = {p: words[p] for p in acks if p in words} if words else {}
+            noted = self.core.noted_outcomes(acks)  # the statement takes the words it sends
             try:
                 hit = self.core.ack(conn, acks, timeout=timeout)
             except BaseException:

@@ -438,14 +438,9 @@ class _Watchdog:
         self.thread.join(10)
 
 
-def _bounded(conn: psycopg.Connection[Any], timeout: float | None) -> Any:
+def bounded(conn: psycopg.Connection[Any], timeout: float | None) -> Any:
     """A block whose statements are cancelled after ``timeout`` seconds (none: unbounded)."""
     return _Watchdog(conn, timeout) if timeout else contextlib.nullcontext()
-
-
-#: :func:`_bounded` for the other store modules whose statements the keeper runs (the history
-#: rollup's turn, the retention sweep's turn): one mechanism for every keeper statement
-bounded = _bounded
 
 
 class QueueCore:
@@ -678,6 +673,11 @@ class QueueCore:
             self._hints.pop(next(iter(self._hints)), None)
         self._hints[pair] = outcome
 
+    def noted_outcomes(self, pairs: Iterable[Pair]) -> dict[Pair, str]:
+        """The words :meth:`note_outcome` holds for ``pairs`` (kept: an ack statement takes
+        them as it sends them, so a caller whose ack may fail notes them again from this)."""
+        return {p: self._hints[p] for p in pairs if p in self._hints} if self._hints else {}
+
     def hold_waiter(self, conn: psycopg.Connection, waiter: int) -> None:
         """Take wake id ``waiter``'s lock for the life of ``conn`` (its registrations are
         alive while it is held)."""
@@ -751,7 +751,7 @@ class QueueCore:
         locks. Returns the ids that were still held. ``timeout``: seconds after which the
         statement is cancelled (QueryCanceled, raised as DatabaseTimeout), whatever the
         session's statement_timeout; one statement, so a cancelled ack settles nothing."""
-        with _bounded(conn, timeout):
+        with bounded(conn, timeout):
             return self.claim(conn, (), 0, pairs).acked
 
     def vacuum(self, conn: psycopg.Connection, *, timeout: float | None = None) -> None:
@@ -788,7 +788,7 @@ class QueueCore:
         """Free slots whose holder is gone and wake rows parked on them (the keeper, when
         :meth:`maintain` says so). Returns the number of rows woken. ``timeout``: seconds
         after which the statement is cancelled (QueryCanceled)."""
-        with _bounded(conn, timeout):
+        with bounded(conn, timeout):
             row = conn.execute(self.q["job_release_orphans"], {
                 "channel": self.channel, "limit": limit}).fetchone()
         return int(row[0]) if row else 0
@@ -826,7 +826,7 @@ class QueueCore:
         ``timeout``: seconds after which the statement is cancelled (QueryCanceled), whatever
         the session's statement_timeout."""
         ids, claims = _pairs(pairs)
-        with _bounded(conn, timeout):
+        with bounded(conn, timeout):
             return {r[0]: bool(r[1]) for r in conn.execute(self.q["job_renew"], {
                 "ids": ids, "claims": claims, "ttl": self.lease_ttl}).fetchall()}
 
@@ -839,7 +839,7 @@ class QueueCore:
         full lease without a break, so it may judge other processes gone (rescue their lapsed
         leases, drop their consumer rows, expire queues); see job_maintain. Returns
         [(outcome, id, queue)]."""
-        with _bounded(conn, timeout):
+        with bounded(conn, timeout):
             rows = conn.execute(self.q["job_maintain"], {
                 "limit": limit, "max_attempts": self.max_attempts, "channel": self.channel,
                 "consumed": list(consumed), "grace": grace, "worker": self.worker,
@@ -871,7 +871,7 @@ class QueueCore:
             return False
         # the watchdog inside the transaction: its COMMIT or ROLLBACK is never cancelled
         with conn.transaction() if timeout else contextlib.nullcontext(), \
-                _bounded(conn, timeout):
+                bounded(conn, timeout):
             conn.execute(self.q["queue_declare"], declared)
             for exchange, exchange_type, routing_key, pattern in sorted(
                     self.bound.get(name, ())):
