@@ -9,7 +9,12 @@ both databases: starts and completions per label, rows left in the job table.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -100,6 +105,104 @@ def test_a_server_stopped_for_longer_than_the_lease_reruns_nothing(
     # already); never a long one (20 s from before the stop)
     assert any(label.startswith("short") for label in finished), (
         f"no short task finished during the outage: {finished}")
+    assert not any(label.startswith("long") for label in finished), finished
+    dead = _one(server.dsn, f'SELECT count(*) FROM "{schema}".pgjobs_dead_letter')
+    assert dead == 0
+    for w in workers:
+        assert w.proc.poll() is None, w.output()[-3000:]
+        out = w.output()
+        assert "pgjobs.lease.rescued" not in out and "PGJ-204" not in out, out[-3000:]
+
+
+def _server_processes(server: PrivateServer) -> list[int]:
+    """The private server's postmaster, then every process it forked (its backends, and its
+    checkpointer, WAL writer, ...): read from /proc, the postmaster's pid from its lock file."""
+    postmaster = int((server.data / "postmaster.pid").read_text().split()[0])
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            # "pid (comm) state ppid ...": comm may hold spaces, so split after its ')'
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # ended meanwhile
+        if int(fields[1]) == postmaster:
+            children.append(int(stat.parent.name))
+    return [postmaster, *sorted(children)]
+
+
+@contextlib.contextmanager
+def _stalled(server: PrivateServer) -> Iterator[list[int]]:
+    """The server stops answering without closing a connection, as on a stalled storage: its
+    postmaster is stopped first (SIGSTOP: it forks nothing more), then every process it forked.
+    Clients' sockets stay open and their statements wait; a new connection or a cancel request
+    is accepted by the kernel and never answered. Every process goes on (SIGCONT) at the end,
+    whatever happened in the block."""
+    postmaster = _server_processes(server)[0]
+    stopped: list[int] = []
+    try:
+        os.kill(postmaster, signal.SIGSTOP)
+        stopped.append(postmaster)
+        for pid in _server_processes(server)[1:]:  # listed again: none is forked now
+            try:
+                os.kill(pid, signal.SIGSTOP)
+                stopped.append(pid)
+            except ProcessLookupError:
+                pass
+        yield stopped
+    finally:
+        for pid in reversed(stopped):  # the backends first, the postmaster last
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+
+
+@pytest.mark.slow
+@exclusive
+@pytest.mark.parametrize("pool", ["prefork", "threads"])
+def test_a_server_stalled_for_longer_than_the_lease_reruns_nothing(
+        server, dsn, schema, recorder_tables, start_worker, pool):
+    """As the stopped-server test, but the server stalls (its postmaster and every process it
+    forked SIGSTOPped) for 9 s, 1.5 leases: no connection breaks, every statement sent to it
+    waits through the stall, and the keepers' cancel requests (at half a lease) reach a
+    postmaster that does not answer; when it goes on (SIGCONT) its clock has moved past every
+    lease. Every task starts once and completes once, no lease is rescued, the acks of the
+    tasks that finished during the stall land and the job table empties."""
+    env = _env(server)
+    workers = [start_worker(name=f"w{i}", pool=pool, concurrency=4, env=env) for i in (1, 2)]
+    calls = [("sleep_record", (f"long{i}", 20.0)) for i in range(4)]
+    calls += [("sleep_record", (f"short{i}", 4.0)) for i in range(4)]
+    calls += [("sleep_record", (f"queued{i}", 1.0)) for i in range(4)]
+    _publish(server.url, schema, calls)
+    starts = f'SELECT count(*) FROM "{schema}".pgjobs_test_start'
+    wait_for(lambda: _one(dsn, starts) >= 8, 60, what="eight tasks to start")
+    with _stalled(server) as stopped:
+        # the shared database's clock (it stays up; the tasks write their finish time there)
+        stalled_at = _one(dsn, "SELECT clock_timestamp()")
+        ends = time.monotonic() + 1.5 * LEASE
+        with pytest.raises(psycopg.OperationalError):  # accepted, never answered
+            psycopg.connect(server.dsn, connect_timeout=2).close()
+        time.sleep(max(0.0, ends - time.monotonic()))
+        resumed_at = _one(dsn, "SELECT clock_timestamp()")
+    assert len(stopped) >= 3, stopped  # the postmaster, the workers' backends and more
+    runs = f'SELECT count(DISTINCT label) FROM "{schema}".pgjobs_test_run'
+    wait_for(lambda: _one(dsn, runs) == len(calls), 90, interval=0.5,
+             what="every task to complete")
+    wait_for(lambda: _one(server.dsn, f'SELECT count(*) FROM "{schema}".pgjobs_job') == 0,
+             30, what="the job table to empty (every ack landed)")
+    time.sleep(LEASE)  # a second start would come after a lapse: give it the time
+    twice = _one(dsn, f'SELECT string_agg(label, \', \') FROM (SELECT label FROM "{schema}".'
+                      "pgjobs_test_start GROUP BY label HAVING count(*) > 1) t")
+    assert twice is None, f"started a second time: {twice}"
+    assert _one(dsn, starts) == len(calls)
+    assert _one(dsn, f'SELECT count(*) FROM "{schema}".pgjobs_test_run') == len(calls)
+    in_stall = _one(dsn, f"SELECT string_agg(label, ', ' ORDER BY label) "
+                         f'FROM "{schema}".pgjobs_test_run '
+                         f"WHERE finished > '{stalled_at.isoformat()}' "
+                         f"AND finished < '{resumed_at.isoformat()}'")
+    finished = in_stall.split(", ") if in_stall else []
+    assert any(label.startswith("short") for label in finished), (
+        f"no short task finished during the stall: {finished}")
     assert not any(label.startswith("long") for label in finished), finished
     dead = _one(server.dsn, f'SELECT count(*) FROM "{schema}".pgjobs_dead_letter')
     assert dead == 0
