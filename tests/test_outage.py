@@ -411,3 +411,68 @@ def test_a_stuck_keeper_statement_is_cancelled_within_half_a_lease(url, dsn, sch
     assert waiting <= 1, "one statement waits for the key's lock at a time"
     assert not any("pgjobs.lease." in m for m in log), log  # neither lost nor rescued
     assert min(margins) > 0.5, f"the closest a lease came to lapsing: {min(margins):.2f}s"
+
+
+def test_a_tick_the_database_held_up_judges_no_other_holder(url, dsn, schema):
+    """A tick whose renewal the database held for longer than a tick's interval (a stall
+    under it, a lock) is a break: every other keeper waited as long to renew, so this tick
+    rescues nobody's lapsed lease, and judges again only after a full lease of reachable time.
+    Shown with a keeper of a real consumer's backend that could judge (a lease of reachable
+    time behind it), a lapsed lease of another holder planted, and the consumer's own row
+    locked under its renewal for longer than an interval. The same keeper, not held up,
+    rescues it (the row can be rescued: the test could fail)."""
+    import threading
+
+    from kombu_pgjobs.broker.backend import Keeper
+
+    lease = 6.0
+    conn = Connection(url, transport_options={"schema": schema, "lease_ttl": lease})
+    try:
+        with conn.SimpleQueue("held") as queue:
+            queue.put({"n": "mine"})
+            queue.put({"n": "theirs"})
+            mine = queue.get(timeout=5)
+            backend = conn.default_channel.backend
+            mine_id = int(mine.delivery_tag.split(".")[0])
+            with psycopg.connect(dsn, autocommit=True) as db, \
+                    psycopg.connect(dsn, autocommit=True) as locker, \
+                    contextlib.ExitStack() as stack:
+                # another holder's run whose lease lapsed (its process gone)
+                theirs = db.execute(
+                    f"UPDATE \"{schema}\".pgjobs_job SET state = 'running', claim = claim + 1, "
+                    "attempts = 1, worker = 'gone:1:x', "
+                    "lease_expires_at = now() - interval '1 minute' "
+                    "WHERE id <> %s RETURNING id, claim", (mine_id,)).fetchone()
+
+                def state() -> tuple[Any, ...]:
+                    return db.execute(f'SELECT state, claim FROM "{schema}".pgjobs_job '
+                                      "WHERE id = %s", (theirs[0],)).fetchone()
+
+                keeper = Keeper(backend)  # not started: its ticks run here, one at a time
+                stack.callback(lambda: keeper._conn is not None and keeper._conn.close())
+                interval = backend.options.tick_interval
+                keeper.connection()  # opened: a new connection is a break of its own
+                keeper.reachable_since = time.monotonic() - 10 * lease
+                keeper._last_ok = time.monotonic()
+                locker.execute("BEGIN")
+                locker.execute(f'SELECT 1 FROM "{schema}".pgjobs_job WHERE id = %s FOR UPDATE',
+                               (mine_id,))
+                release = threading.Timer(interval + 1.0, locker.execute, ("ROLLBACK",))
+                release.start()
+                started = time.monotonic()
+                keeper.tick()  # its renewal waits for the lock, then maintenance
+                release.join()
+                assert time.monotonic() - started > interval
+                assert state() == ("running", theirs[1]), "rescued after a held-up tick"
+                assert keeper.reachable_since is not None
+                assert keeper.reachable_since >= started + interval
+                keeper.tick()  # not a full lease of reachable time since the break
+                assert state() == ("running", theirs[1]), "rescued too early after a break"
+                # the same keeper with a lease of reachable time and a tick not held up
+                keeper.reachable_since = time.monotonic() - 10 * lease
+                keeper._last_ok = time.monotonic()
+                keeper.tick()
+                assert state() == ("ready", theirs[1]), "a lapsed lease the keeper may rescue"
+            mine.ack()
+    finally:
+        conn.release()

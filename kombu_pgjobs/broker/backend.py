@@ -997,6 +997,12 @@ class Keeper(threading.Thread):
             # flush cut short): every tick retries them until they settle.
             self.flush(conn)
         self.keep_leases(conn)
+        now = time.monotonic()
+        if now - started > b.options.tick_interval:
+            # The database held this tick's statements longer than a tick (a stall, a lock):
+            # other keepers waited as long to renew. No judgement of others until a full lease
+            # of reachable time has passed again (the stall is a break, as a failed tick is).
+            self.reachable_since, fleet = now, False
         outcomes = core.maintain(conn, consumed=list(b.consumed), held=len(b.held),
                                  grace=3 * b.options.tick_interval, fleet=fleet,
                                  timeout=bound)
