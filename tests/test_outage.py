@@ -453,11 +453,14 @@ def test_a_tick_the_database_held_up_judges_no_other_holder(url, dsn, schema):
                 interval = backend.options.tick_interval
                 keeper.connection()  # opened: a new connection is a break of its own
                 keeper.reachable_since = time.monotonic() - 10 * lease
-                keeper._last_ok = time.monotonic()
+                # its last good tick an interval ago and a little more (it slept between two)
+                keeper._last_ok = time.monotonic() - interval - 1.0
                 locker.execute("BEGIN")
                 locker.execute(f'SELECT 1 FROM "{schema}".pgjobs_job WHERE id = %s FOR UPDATE',
                                (mine_id,))
-                release = threading.Timer(interval + 1.0, locker.execute, ("ROLLBACK",))
+                # held past two intervals and a second since that tick, for less than the
+                # keeper's bound (half a lease)
+                release = threading.Timer(interval + 0.7, locker.execute, ("ROLLBACK",))
                 release.start()
                 started = time.monotonic()
                 keeper.tick()  # its renewal waits for the lock, then maintenance

@@ -980,7 +980,6 @@ class Keeper(threading.Thread):
 
     def tick(self) -> None:
         b = self.backend
-        started = time.monotonic()
         conn = self.connection()
         core = b.core
         # Every statement of a tick is cancelled after half a lease (bound): a
@@ -989,7 +988,6 @@ class Keeper(threading.Thread):
         # before each statement after the first the keeper renews again once a tick's
         # interval has passed (keep_leases).
         bound = self.bound
-        fleet = self.may_judge(started)
         self.renew(conn, bound)  # first: nothing else in the tick may hold up a renewal
         age = b.oldest_ack_age()
         if age is not None and age >= self.ack_grace:
@@ -997,12 +995,10 @@ class Keeper(threading.Thread):
             # flush cut short): every tick retries them until they settle.
             self.flush(conn)
         self.keep_leases(conn)
-        now = time.monotonic()
-        if now - started > b.options.tick_interval:
-            # The database held this tick's statements longer than a tick (a stall, a lock):
-            # other keepers waited as long to renew. No judgement of others until a full lease
-            # of reachable time has passed again (the stall is a break, as a failed tick is).
-            self.reachable_since, fleet = now, False
+        # Judged after the renewal and the acks, not before: the database may have held them
+        # (a stall under this tick), and every other keeper waited as long to renew; a gap
+        # since the last good tick longer than two intervals is a break (may_judge).
+        fleet = self.may_judge(time.monotonic())
         outcomes = core.maintain(conn, consumed=list(b.consumed), held=len(b.held),
                                  grace=3 * b.options.tick_interval, fleet=fleet,
                                  timeout=bound)
