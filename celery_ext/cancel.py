@@ -327,23 +327,70 @@ def _cancel_in_loop(task_consumer: Any) -> None:
     real = task_consumer.cancel
     consumer = _consumer
 
+    def in_loop() -> None:
+        real()
+        # Run by the loop's cycle that follows the shutdown flag (Celery's synloop runs one
+        # more cycle after maybe_shutdown() raised): its drain returns at once too.
+        _interrupt_drain(getattr(consumer, "connection", None))
+
     def cancel() -> None:
         if greenlet.getcurrent().parent is None:  # the main greenlet: the loop's
             real()
         else:
-            consumer.call_soon(real)
+            consumer.call_soon(in_loop)
 
     cancel._celery_ext_in_loop = True  # type: ignore[attr-defined]
     task_consumer.cancel = cancel
 
 
+def _interrupt_drain(connection: Any) -> None:
+    """A kombu connection's waiting ``drain_events`` returns now (the transport's
+    ``ConsumerLoop.interrupt``; a transport without one waits out its timeout)."""
+    loop = getattr(getattr(connection, "transport", None), "consumer", None)
+    interrupt = getattr(loop, "interrupt", None)
+    if callable(interrupt):
+        interrupt()
+
+
+def _interrupt_pidbox_on_stop(consumer: Any) -> None:
+    """Celery's green remote-control loop (``gPidbox``) checks its shutdown event only between
+    calls to ``drain_events(timeout=1.0)``, and the consumer's stop waits for it: set the event
+    and interrupt that drain at once. Idempotent."""
+    for step in getattr(consumer, "steps", None) or ():
+        box = getattr(step, "box", None)
+        if box is None or not hasattr(box, "_node_shutdown") or \
+                getattr(box.on_stop, "_celery_ext_interrupts", False):
+            continue
+        real = box.on_stop
+
+        def on_stop(box: Any = box, real: Any = real) -> None:
+            shutdown = box._node_shutdown
+            if shutdown is not None:
+                shutdown.set()
+                channel = getattr(getattr(box, "node", None), "channel", None)
+                loop = getattr(getattr(channel, "connection", None), "consumer", None)
+                interrupt = getattr(loop, "interrupt", None)
+                if callable(interrupt):
+                    interrupt()
+            real()
+
+        on_stop._celery_ext_interrupts = True  # type: ignore[attr-defined]
+        box.on_stop = on_stop
+
+
 def _run_cold(handler: Any, signum: Any, frame: Any) -> None:
     """Celery's cold-shutdown handler, in a greenlet: its sleep, its waits and the hand-back
-    are cooperative there."""
+    are cooperative there. Once it has set the shutdown flag, the consumer loop's drain (up to
+    2 s, then one more cycle's) and the remote-control loop's (1 s) are interrupted: the
+    worker exits now rather than about 5 s later."""
     task_consumer = getattr(_consumer, "task_consumer", None)
     if task_consumer is not None:
         _cancel_in_loop(task_consumer)
-    handler(signum, frame)
+    _interrupt_pidbox_on_stop(_consumer)
+    try:
+        handler(signum, frame)
+    finally:
+        _interrupt_drain(getattr(_consumer, "connection", None))
 
 
 def _deferred(handler: Any) -> Any:

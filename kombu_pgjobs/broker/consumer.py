@@ -153,6 +153,7 @@ class ConsumerLoop:
         self._failing = 0.0
         self._logged_at = 0.0
         self._wake_lock = threading.Lock()  # poke (pool threads) against close
+        self._interrupted = False  # interrupt(): the next drain_events returns without waiting
         # Celery's event loop (kombu Hub), when the worker runs one
         self.hub: Any = None
         self._hub_fds: list[int] = []
@@ -328,6 +329,14 @@ class ConsumerLoop:
                 pipe_write(self._wake_w, b"x")  # never green: green.py
             except (BlockingIOError, OSError):
                 pass
+
+    def interrupt(self) -> None:
+        """Make a waiting ``drain_events`` (or the next one) return without waiting more: it
+        raises TimeoutError (kombu's "nothing delivered") once and the flag clears. For a
+        shutdown: Celery's green loop (synloop) checks its state only between calls to
+        ``drain_events(timeout=2.0)``. Thread-safe (a flag and a byte on the self-pipe)."""
+        self._interrupted = True
+        self.poke()
 
     def mark_dirty(self, queues: Iterable[str]) -> None:
         self.dirty.update(queues)
@@ -856,6 +865,9 @@ class ConsumerLoop:
         while True:
             if self.pump():
                 return
+            if self._interrupted:  # interrupt(): nothing delivered, return now
+                self._interrupted = False
+                raise TimeoutError()
             if self.again:
                 continue
             now = time.monotonic()
