@@ -177,13 +177,19 @@ def test_a_second_sigquit_during_the_grace_cuts_off_at_once(
     _run_again_once(db, schema, start_worker, {long.id: "long"})
 
 
-def test_interrupt_makes_a_waiting_drain_return_at_once_and_only_once(url, schema):
-    """``ConsumerLoop.interrupt`` (celery_ext calls it as a green pool's cold shutdown begins):
-    a ``drain_events(timeout=10)`` waiting on an empty queue raises TimeoutError (kombu's
-    "nothing delivered") as soon as another thread interrupts it; the flag clears, so the next
-    drain waits out its timeout again, and a message published later is still delivered."""
+@pytest.mark.parametrize("sharded", [False, True], ids=["one-database", "shard-map"])
+def test_interrupt_makes_a_waiting_drain_return_at_once_and_only_once(
+        request, url, schema, sharded):
+    """``ConsumerLoop.interrupt`` (celery_ext calls it as a green pool's cold shutdown begins),
+    and ``ShardedConsumer.interrupt`` over a shard map: a ``drain_events(timeout=10)`` waiting
+    on an empty queue raises TimeoutError (kombu's "nothing delivered") as soon as another
+    thread interrupts it; the flag clears, so the next drain waits out its timeout again, and
+    a message published later is still delivered."""
     got: list[Any] = []
-    conn = kombu.Connection(url, transport_options={"schema": schema})
+    options: dict[str, Any] = {"schema": schema}
+    if sharded:
+        options["shards"] = {"elsewhere": request.getfixturevalue("second_database")}
+    conn = kombu.Connection(url, transport_options=options)
     try:
         channel = conn.channel()
         queue = kombu.Queue("interrupted", channel=channel)

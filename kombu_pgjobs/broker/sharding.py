@@ -377,6 +377,7 @@ class ShardedConsumer:
             ConsumerLoop(transport, backend=b, shard=i,
                          owns=lambda q, i=i: shards.index_of(q) == i)  # type: ignore[misc]
             for i, b in enumerate(backends)]
+        self._interrupted = False  # interrupt(): the next drain_events returns at once
 
     def loop_of(self, queue: str) -> ConsumerLoop:
         return self.loops[self.shards.index_of(queue)]
@@ -390,6 +391,12 @@ class ShardedConsumer:
     def poke(self) -> None:
         for loop in self.loops:
             loop.poke()
+
+    def interrupt(self) -> None:
+        """As :meth:`ConsumerLoop.interrupt`, over every database: a waiting
+        :meth:`drain_events` raises TimeoutError once, without waiting more."""
+        self._interrupted = True
+        self.poke()
 
     def mark_dirty(self, queues: Iterable[str]) -> None:
         for index, qs in self._by_loop(queues).items():
@@ -434,6 +441,9 @@ class ShardedConsumer:
                 delivered += loop.pump()
             if delivered:
                 return
+            if self._interrupted:  # interrupt(): nothing delivered, return now
+                self._interrupted = False
+                raise TimeoutError()
             if any(loop.again for loop in self.loops):
                 continue
             now = time.monotonic()
