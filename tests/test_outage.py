@@ -59,61 +59,6 @@ def _env(server: PrivateServer, **extra: str) -> dict[str, str]:
             "PGJOBS_TEST_PREFETCH": "2", **extra}
 
 
-@pytest.mark.slow
-@exclusive
-@pytest.mark.parametrize("pool", ["prefork", "threads"])
-def test_a_server_stopped_for_longer_than_the_lease_reruns_nothing(
-        server, dsn, schema, recorder_tables, start_worker, pool):
-    """Two workers (lease 6 s) run 4 tasks of 20 s and 4 of 4 s, with 4 more prefetched; the
-    broker's server is stopped for 9 s (1.5 leases) once all eight run. The short ones finish
-    during the outage (their acks wait in the workers), the long ones after it. Every task
-    starts once and completes once, the acks of those that finished in the outage land, and
-    the job table empties: no lease lapsed for time its holder could not reach the database."""
-    env = _env(server)
-    workers = [start_worker(name=f"w{i}", pool=pool, concurrency=4, env=env) for i in (1, 2)]
-    calls = [("sleep_record", (f"long{i}", 20.0)) for i in range(4)]
-    calls += [("sleep_record", (f"short{i}", 4.0)) for i in range(4)]
-    calls += [("sleep_record", (f"queued{i}", 1.0)) for i in range(4)]
-    _publish(server.url, schema, calls)
-    starts = f'SELECT count(*) FROM "{schema}".pgjobs_test_start'
-    wait_for(lambda: _one(dsn, starts) >= 8, 60, what="eight tasks to start")
-    server.halt()
-    # the shared database's clock (it stays up; the tasks write their finish time there)
-    halted_at = _one(dsn, "SELECT clock_timestamp()")
-    time.sleep(1.5 * LEASE)
-    restarted_at = _one(dsn, "SELECT clock_timestamp()")
-    server.start()
-    runs = f'SELECT count(DISTINCT label) FROM "{schema}".pgjobs_test_run'
-    wait_for(lambda: _one(dsn, runs) == len(calls), 90, interval=0.5,
-             what="every task to complete")
-    wait_for(lambda: _one(server.dsn, f'SELECT count(*) FROM "{schema}".pgjobs_job') == 0,
-             30, what="the job table to empty (every ack landed)")
-    time.sleep(LEASE)  # a second start would come after a lapse: give it the time
-    twice = _one(dsn, f'SELECT string_agg(label, \', \') FROM (SELECT label FROM "{schema}".'
-                      "pgjobs_test_start GROUP BY label HAVING count(*) > 1) t")
-    assert twice is None, f"started a second time: {twice}"
-    assert _one(dsn, starts) == len(calls)
-    assert _one(dsn, f'SELECT count(*) FROM "{schema}".pgjobs_test_run') == len(calls)
-    # Some tasks really finished while the broker's server was down: their acks could only
-    # wait in the workers, and the job table emptied, so those buffered acks landed after it.
-    in_outage = _one(dsn, f"SELECT string_agg(label, ', ' ORDER BY label) "
-                          f'FROM "{schema}".pgjobs_test_run '
-                          f"WHERE finished > '{halted_at.isoformat()}' "
-                          f"AND finished < '{restarted_at.isoformat()}'")
-    finished = in_outage.split(", ") if in_outage else []
-    # the short ones, and the prefetched ones the workers started after them (delivered
-    # already); never a long one (20 s from before the stop)
-    assert any(label.startswith("short") for label in finished), (
-        f"no short task finished during the outage: {finished}")
-    assert not any(label.startswith("long") for label in finished), finished
-    dead = _one(server.dsn, f'SELECT count(*) FROM "{schema}".pgjobs_dead_letter')
-    assert dead == 0
-    for w in workers:
-        assert w.proc.poll() is None, w.output()[-3000:]
-        out = w.output()
-        assert "pgjobs.lease.rescued" not in out and "PGJ-204" not in out, out[-3000:]
-
-
 def _server_processes(server: PrivateServer) -> list[int]:
     """The private server's postmaster, then every process it forked (its backends, and its
     checkpointer, WAL writer, ...): read from /proc, the postmaster's pid from its lock file."""
@@ -157,17 +102,45 @@ def _stalled(server: PrivateServer) -> Iterator[list[int]]:
                 pass
 
 
+@contextlib.contextmanager
+def _halted(server: PrivateServer) -> Iterator[None]:
+    """The server stops at once (``-m immediate``, as a crash) and starts again at the end."""
+    server.halt()
+    try:
+        yield
+    finally:
+        server.start()
+
+
+def _stalled_checked(server: PrivateServer) -> Any:
+    """:func:`_stalled`, checked to be one: a new connection is accepted, never answered."""
+
+    @contextlib.contextmanager
+    def stall() -> Iterator[None]:
+        with _stalled(server) as stopped:
+            with pytest.raises(psycopg.OperationalError):
+                psycopg.connect(server.dsn, connect_timeout=2).close()
+            yield
+        assert len(stopped) >= 3, stopped  # the postmaster, the workers' backends and more
+
+    return stall()
+
+
 @pytest.mark.slow
 @exclusive
 @pytest.mark.parametrize("pool", ["prefork", "threads"])
-def test_a_server_stalled_for_longer_than_the_lease_reruns_nothing(
-        server, dsn, schema, recorder_tables, start_worker, pool):
-    """As the stopped-server test, but the server stalls (its postmaster and every process it
-    forked SIGSTOPped) for 9 s, 1.5 leases: no connection breaks, every statement sent to it
-    waits through the stall, and the keepers' cancel requests (at half a lease) reach a
-    postmaster that does not answer; when it goes on (SIGCONT) its clock has moved past every
-    lease. Every task starts once and completes once, no lease is rescued, the acks of the
-    tasks that finished during the stall land and the job table empties."""
+@pytest.mark.parametrize("fault", ["stopped", "stalled"])
+def test_a_server_out_for_longer_than_the_lease_reruns_nothing(
+        server, dsn, schema, recorder_tables, start_worker, pool, fault):
+    """Two workers (lease 6 s) run 4 tasks of 20 s and 4 of 4 s, with 4 more prefetched; once
+    all eight run, the broker's server is out for 9 s (1.5 leases): ``stopped`` (an immediate
+    stop, then a start: every connection breaks) or ``stalled`` (its postmaster and every
+    process it forked SIGSTOPped, then SIGCONT: no connection breaks, every statement and the
+    keepers' cancel requests wait, and when it goes on its clock has moved past every lease).
+    The short ones finish during the outage (their acks wait in the workers), the long ones
+    after it. Every task starts once and completes once, the acks of those that finished in
+    the outage land, and the job table empties: no lease lapsed for time its holder could not
+    reach the database."""
     env = _env(server)
     workers = [start_worker(name=f"w{i}", pool=pool, concurrency=4, env=env) for i in (1, 2)]
     calls = [("sleep_record", (f"long{i}", 20.0)) for i in range(4)]
@@ -176,15 +149,11 @@ def test_a_server_stalled_for_longer_than_the_lease_reruns_nothing(
     _publish(server.url, schema, calls)
     starts = f'SELECT count(*) FROM "{schema}".pgjobs_test_start'
     wait_for(lambda: _one(dsn, starts) >= 8, 60, what="eight tasks to start")
-    with _stalled(server) as stopped:
+    with _halted(server) if fault == "stopped" else _stalled_checked(server):
         # the shared database's clock (it stays up; the tasks write their finish time there)
-        stalled_at = _one(dsn, "SELECT clock_timestamp()")
-        ends = time.monotonic() + 1.5 * LEASE
-        with pytest.raises(psycopg.OperationalError):  # accepted, never answered
-            psycopg.connect(server.dsn, connect_timeout=2).close()
-        time.sleep(max(0.0, ends - time.monotonic()))
-        resumed_at = _one(dsn, "SELECT clock_timestamp()")
-    assert len(stopped) >= 3, stopped  # the postmaster, the workers' backends and more
+        out_at = _one(dsn, "SELECT clock_timestamp()")
+        time.sleep(1.5 * LEASE)
+        back_at = _one(dsn, "SELECT clock_timestamp()")
     runs = f'SELECT count(DISTINCT label) FROM "{schema}".pgjobs_test_run'
     wait_for(lambda: _one(dsn, runs) == len(calls), 90, interval=0.5,
              what="every task to complete")
@@ -196,13 +165,17 @@ def test_a_server_stalled_for_longer_than_the_lease_reruns_nothing(
     assert twice is None, f"started a second time: {twice}"
     assert _one(dsn, starts) == len(calls)
     assert _one(dsn, f'SELECT count(*) FROM "{schema}".pgjobs_test_run') == len(calls)
-    in_stall = _one(dsn, f"SELECT string_agg(label, ', ' ORDER BY label) "
-                         f'FROM "{schema}".pgjobs_test_run '
-                         f"WHERE finished > '{stalled_at.isoformat()}' "
-                         f"AND finished < '{resumed_at.isoformat()}'")
-    finished = in_stall.split(", ") if in_stall else []
+    # Some tasks really finished while the broker's server was out: their acks could only
+    # wait in the workers, and the job table emptied, so those buffered acks landed after it.
+    in_outage = _one(dsn, f"SELECT string_agg(label, ', ' ORDER BY label) "
+                          f'FROM "{schema}".pgjobs_test_run '
+                          f"WHERE finished > '{out_at.isoformat()}' "
+                          f"AND finished < '{back_at.isoformat()}'")
+    finished = in_outage.split(", ") if in_outage else []
+    # the short ones, and the prefetched ones the workers started after them (delivered
+    # already); never a long one (20 s from before the outage)
     assert any(label.startswith("short") for label in finished), (
-        f"no short task finished during the stall: {finished}")
+        f"no short task finished during the outage: {finished}")
     assert not any(label.startswith("long") for label in finished), finished
     dead = _one(server.dsn, f'SELECT count(*) FROM "{schema}".pgjobs_dead_letter')
     assert dead == 0
