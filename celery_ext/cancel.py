@@ -343,13 +343,17 @@ def _cancel_in_loop(task_consumer: Any) -> None:
     task_consumer.cancel = cancel
 
 
-def _interrupt_drain(connection: Any) -> None:
-    """A kombu connection's waiting ``drain_events`` returns now (the transport's
-    ``ConsumerLoop.interrupt``; a transport without one waits out its timeout)."""
-    loop = getattr(getattr(connection, "transport", None), "consumer", None)
-    interrupt = getattr(loop, "interrupt", None)
+def _interrupt_transport(transport: Any) -> None:
+    """The transport's waiting ``drain_events`` returns now (its consumer loop's
+    ``interrupt``; a transport without one waits out its timeout)."""
+    interrupt = getattr(getattr(transport, "consumer", None), "interrupt", None)
     if callable(interrupt):
         interrupt()
+
+
+def _interrupt_drain(connection: Any) -> None:
+    """A kombu connection's waiting ``drain_events`` returns now."""
+    _interrupt_transport(getattr(connection, "transport", None))
 
 
 def _interrupt_pidbox_on_stop(consumer: Any) -> None:
@@ -368,10 +372,7 @@ def _interrupt_pidbox_on_stop(consumer: Any) -> None:
             if shutdown is not None:
                 shutdown.set()
                 channel = getattr(getattr(box, "node", None), "channel", None)
-                loop = getattr(getattr(channel, "connection", None), "consumer", None)
-                interrupt = getattr(loop, "interrupt", None)
-                if callable(interrupt):
-                    interrupt()
+                _interrupt_transport(getattr(channel, "connection", None))  # the transport
             real()
 
         on_stop._celery_ext_interrupts = True  # type: ignore[attr-defined]

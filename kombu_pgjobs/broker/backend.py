@@ -926,7 +926,7 @@ class Keeper(threading.Thread):
             raise
         except (psycopg.Error, PgJobsError) as exc:  # still buffered: the next tick
             cut = (f" (not done within the keeper's bound of {self.bound:g}s, half a lease)"
-                   if _cut_short(exc) else "")
+                   if isinstance(exc, _CUT_SHORT) else "")
             log.warning("pgjobs.ack.flush_failed%s %s", cut, exc, extra={"action": "keeper"})
             if conn.closed or conn.broken:
                 raise
@@ -938,8 +938,7 @@ class Keeper(threading.Thread):
         self.keep_leases(conn)
         try:
             return run()
-        except (psycopg.errors.QueryCanceled, psycopg.errors.LockNotAvailable,
-                DatabaseTimeout) as exc:
+        except _CUT_SHORT as exc:
             if conn.closed or conn.broken:
                 raise
             log.warning("pgjobs.keeper.cancelled %s: not done within %gs (the keeper's bound, "
@@ -1029,10 +1028,9 @@ class Keeper(threading.Thread):
         self.step(conn, "history rollup", lambda: history.on_tick(self, conn, timeout=bound))
 
 
-def _cut_short(exc: BaseException) -> bool:
-    """Whether a statement failed for a cancel or a lock wait, not a broken connection."""
-    return isinstance(exc, (psycopg.errors.QueryCanceled, psycopg.errors.LockNotAvailable,
-                            DatabaseTimeout))
+#: a statement that failed for a cancel (the keeper's bound, statement_timeout) or a lock
+#: wait, not for a broken connection
+_CUT_SHORT = (psycopg.errors.QueryCanceled, psycopg.errors.LockNotAvailable, DatabaseTimeout)
 
 
 def _no_block(backend: Backend) -> Any:

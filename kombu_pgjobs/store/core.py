@@ -862,16 +862,14 @@ class QueueCore:
                   timeout: float | None = None) -> bool:
         """Declare again a queue this process declared (and bind it as it did), found dropped
         while it consumes it (the keeper's ``queue_missing``). False: this process never
-        declared it, nothing done. ``timeout``: seconds after which its statements are
-        cancelled (QueryCanceled); they then run in one transaction, so a cancelled
-        redeclare leaves the queue missing (the next tick finds it so again), never declared
-        without its bindings."""
+        declared it, nothing done. One transaction: a failed or cancelled redeclare leaves the
+        queue missing (the next tick finds it so again), never declared without its bindings.
+        ``timeout``: seconds after which its statements are cancelled (QueryCanceled)."""
         declared = self.declared.get(name)
         if declared is None:
             return False
         # the watchdog inside the transaction: its COMMIT or ROLLBACK is never cancelled
-        with conn.transaction() if timeout else contextlib.nullcontext(), \
-                bounded(conn, timeout):
+        with conn.transaction(), bounded(conn, timeout):
             conn.execute(self.q["queue_declare"], declared)
             for exchange, exchange_type, routing_key, pattern in sorted(
                     self.bound.get(name, ())):

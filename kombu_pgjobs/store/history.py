@@ -35,6 +35,7 @@ from datetime import datetime
 from typing import Any
 
 import psycopg
+from psycopg.rows import dict_row
 
 from ..errors import InvalidArgument
 from ..events import log_event
@@ -121,11 +122,10 @@ def list_history(conn: psycopg.Connection[Any], schema: str, *, task: str | None
         raise InvalidArgument(f"unknown outcome {outcome!r}: one of {', '.join(OUTCOMES)}")
     if not 1 <= int(limit) <= 100_000:
         raise InvalidArgument("limit must be between 1 and 100000")
-    cur = conn.execute(queries(validate_schema_name(schema))["history_list"], {
-        "task": task, "outcome": outcome, "tenant": tenant, "worker": worker,
-        "since": since, "before": before, "limit": int(limit)})
-    names = [c.name for c in cur.description or ()]
-    return [dict(zip(names, r, strict=True)) for r in cur.fetchall()]
+    return conn.cursor(row_factory=dict_row).execute(
+        queries(validate_schema_name(schema))["history_list"], {
+            "task": task, "outcome": outcome, "tenant": tenant, "worker": worker,
+            "since": since, "before": before, "limit": int(limit)}).fetchall()
 
 
 def tasks(conn: psycopg.Connection[Any], schema: str, *, minutes: int, points: int = 1,
@@ -137,11 +137,10 @@ def tasks(conn: psycopg.Connection[Any], schema: str, *, minutes: int, points: i
     ``pgjobs stats``)."""
     if sort not in SORTS:
         raise InvalidArgument(f"cannot sort by {sort[:20]!r}: one of {', '.join(SORTS)}")
-    cur = conn.execute(queries(validate_schema_name(schema))["history_tasks"], {
-        "minutes": int(minutes), "points": int(points), "tail": int(tail), "sort": sort,
-        "descending": bool(descending), "limit": int(limit)})
-    names = [c.name for c in cur.description or ()]
-    return [dict(zip(names, r, strict=True)) for r in cur.fetchall()]
+    return conn.cursor(row_factory=dict_row).execute(
+        queries(validate_schema_name(schema))["history_tasks"], {
+            "minutes": int(minutes), "points": int(points), "tail": int(tail), "sort": sort,
+            "descending": bool(descending), "limit": int(limit)}).fetchall()
 
 
 def stats(conn: psycopg.Connection[Any], schema: str, *, seconds: float = 3600.0,
